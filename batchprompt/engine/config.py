@@ -1,0 +1,31 @@
+"""EngineConfig: the engine's knobs, validated once."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """`kv_cache_memory` is a ceiling in bytes (None: a share of free memory); the cache grows
+    to what the work needs, up to it. `block_size` is small because attention gathers keys by
+    slot: a small block costs nothing there and lets a prefix be shared up to its last few
+    tokens."""
+
+    block_size: int = 4
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's own context length
+    kv_cache_memory: int | None = None
+    kv_memory_fraction: float = 0.25  # of free memory, when kv_cache_memory is None
+    enable_prefix_caching: bool = True
+    watermark: float = 0.01  # share of blocks kept free when admitting new requests
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not 0 < self.kv_memory_fraction <= 0.95:
+            raise ValueError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory must be a positive number of bytes")

@@ -1,0 +1,189 @@
+"""LLMEngine: continuous batching over the scheduler, the KV cache and the model runner."""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Iterable, Sequence
+
+import torch
+
+from ..device import available_memory, resolve_device, resolve_dtype
+from ..models import Tokenizer, build_model, load_hf_weights, resolve_model
+from ..models.llama import LlamaModel
+from ..runner.kv_tensors import KVTensors
+from ..runner.model_runner import ModelRunner
+from .block_pool import BlockPool
+from .config import EngineConfig
+from .kv_cache import KVCacheManager
+from .outputs import RequestOutput
+from .request import Request
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+from .stats import EngineStats
+from .stop import check_stop
+
+
+class LLMEngine:
+    """Add requests at any time; each `step()` runs one batch and returns finished requests."""
+
+    def __init__(self, model: LlamaModel, tokenizer: Tokenizer | None, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        self.model, self.tokenizer = model, tokenizer
+        args = model.args
+        self.max_model_len = min(config.max_model_len or args.max_position, args.max_position)
+        param = next(model.parameters())
+        budget = config.kv_cache_memory or int(available_memory(param.device) * config.kv_memory_fraction)
+        max_blocks = max(1, budget // KVTensors.bytes_per_block(args, config.block_size, param.dtype))
+        self.pool = BlockPool(max_blocks)
+        self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching,
+                                 watermark_blocks=int(config.watermark * max_blocks))
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
+        self.runner = ModelRunner(model, config.block_size, max_blocks)
+        self.eos_token_ids = tokenizer.eos_token_ids if tokenizer else frozenset(args.eos_token_ids)
+        self._requests: dict[str, Request] = {}
+        self._rejected: list[Request] = []
+        self._ids = itertools.count()
+        self._stats = EngineStats()
+
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, *, dtype: str | torch.dtype = "auto",
+                        device: str = "auto", **config) -> "LLMEngine":
+        """Load `model` (see `resolve_model`) and build an engine; `config` goes to EngineConfig."""
+        cfg = EngineConfig(**config)
+        dev = resolve_device(device)
+        source = resolve_model(model)
+        args, weights = load_hf_weights(source)
+        net = build_model(args, weights, resolve_dtype(dtype, dev), dev)
+        del weights
+        return cls(net, Tokenizer.load(source, args.eos_token_ids), cfg)
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a prompt (text, encoded without a chat template, or token ids). A prompt that
+        cannot run fails alone: its error comes back from the next `step()`."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        req = Request(request_id, ids, params, generator=gen)
+        self._requests[request_id] = req
+        problem = self._validate(ids)
+        if problem:
+            req.finish("error", problem)
+            self._rejected.append(req)
+        else:
+            self.scheduler.add(req)
+        return request_id
+
+    def _validate(self, ids: list[int]) -> str | None:
+        if not ids:
+            return "the prompt is empty: give at least one token"
+        if len(ids) >= self.max_model_len:
+            return (f"the prompt has {len(ids)} tokens, but the context holds {self.max_model_len} "
+                    f"(prompt plus at least one generated token): shorten the prompt")
+        vocab = self.model.args.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            return f"the prompt has token ids outside the vocabulary [0, {vocab})"
+        if self.kv.blocks_needed(len(ids) + 1) > self.pool.max_blocks:
+            return (f"the prompt needs more KV cache ({len(ids)} tokens) than the budget holds "
+                    f"({self.pool.max_blocks * self.config.block_size} tokens): raise kv_cache_memory")
+        return None
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request; it comes back from the next `step()` with finish_reason 'abort'."""
+        req = self._requests.get(request_id)
+        if req is None or req.is_finished:
+            return False
+        self.scheduler.finish(req)
+        req.finish("abort")
+        self._rejected.append(req)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # ---- the loop --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        done = [self._finish_output(r) for r in self._rejected]
+        self._rejected.clear()
+        if not self.scheduler.has_work:
+            return done
+        sched = self.scheduler.schedule()
+        if not sched.chunks:  # nothing fits even alone: cannot happen past _validate, but never spin
+            req = self.scheduler.waiting[0]
+            self.scheduler.finish(req)
+            req.finish("error", "the request does not fit in the KV cache budget")
+            return done + [self._finish_output(req)]
+        out = self.runner.execute(sched)
+        decode_chunks = 0
+        for req in self.scheduler.advance(sched):
+            if req.num_tokens > req.num_prompt_tokens:
+                decode_chunks += 1
+            req.append_token(out.sampled[req.request_id], out.logprobs.get(req.request_id))
+            reason = check_stop(req, self.eos_token_ids, self.max_model_len, self.tokenizer)
+            if reason:
+                self.scheduler.finish(req)
+                req.finish(reason)
+                done.append(self._finish_output(req))
+        s = self._stats
+        s.steps += 1
+        s.decode_tokens += len(out.sampled)
+        s.prefill_tokens += sched.num_tokens - decode_chunks
+        s.preemptions = self.scheduler.num_preemptions
+        s.busy_seconds += time.perf_counter() - t0
+        return done
+
+    def _finish_output(self, req: Request) -> RequestOutput:
+        del self._requests[req.request_id]
+        s = self._stats
+        s.finished += 1
+        s.failed += req.error is not None
+        cached = max(req.num_cached_tokens, 0)
+        if req.num_cached_tokens >= 0:
+            s.prompt_tokens += req.num_prompt_tokens
+            s.cached_prompt_tokens += cached
+        ids = req.output_token_ids
+        text = self.tokenizer.decode(ids) if (self.tokenizer and ids) else ""
+        if req.stop_text_len is not None:
+            text = text[:req.stop_text_len]
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=list(ids), text=text, finish_reason=req.finish_reason or "error",
+            error=req.error, logprobs=list(req.logprobs) if req.params.logprobs else None,
+            num_cached_tokens=cached, num_preemptions=req.num_preemptions,
+        )
+
+    @property
+    def stats(self) -> EngineStats:
+        s = self._stats
+        s.running, s.waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        s.kv_blocks_used, s.kv_blocks_total = self.pool.num_used, self.pool.max_blocks
+        s.kv_bytes = self.runner.kv.nbytes
+        return s
+
+    def generate(self, prompts: Iterable[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in input order."""
+        prompts = list(prompts)
+        plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), unit="prompt", dynamic_ncols=True)
+        while len(results) < len(ids):
+            finished = self.step()
+            for o in finished:
+                results[o.request_id] = o
+            if bar is not None and finished:
+                bar.update(len(finished))
+        if bar is not None:
+            bar.close()
+        return [results[i] for i in ids]

@@ -1,0 +1,63 @@
+"""Request: one prompt's state as it moves through the scheduler."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    generator: torch.Generator | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
+    num_preemptions: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    error: str | None = None
+    stop_text_len: int | None = None  # output text is cut here when a stop string matched
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids: list[int] = list(self.prompt_token_ids)  # prompt + output, grows
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token: int, logprob: float | None) -> None:
+        self.token_ids.append(token)
+        self.output_token_ids.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error

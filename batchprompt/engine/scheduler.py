@@ -1,0 +1,125 @@
+"""Scheduler: which requests run this step, and how many tokens each.
+
+One rule covers prefill, chunked prefill, prefix-cache hits and decode: every request has
+`num_computed_tokens`, and each step gives it tokens to catch up with `num_tokens`, within a
+per-step token budget. Running requests go first (oldest first); when the cache is full the
+youngest running request is preempted (its blocks freed, recomputed later). Then waiting
+requests are admitted while budget, sequence slots and memory last.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .kv_cache import KVCacheManager
+from .outputs import ScheduledChunk, SchedulerOutput
+from .request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req, req.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                chunks.append(self._chunk(req, n))
+                budget -= n
+                i += 1
+                continue
+            break
+        if not preempted:
+            budget = self._admit(chunks, budget)
+        return SchedulerOutput(chunks, preempted, self.kv.pool.num_blocks)
+
+    def _admit(self, chunks: list[ScheduledChunk], budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hits = self.kv.find_cached_prefix(req)
+            cached = len(hits) * self.kv.block_size
+            n = min(req.num_tokens - cached, budget)
+            if not self.kv.allocate(req, cached + n, hits, admitting=True):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = cached
+            self.running.append(req)
+            chunks.append(self._chunk(req, n))
+            budget -= n
+        return budget
+
+    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        return ScheduledChunk(
+            request_id=req.request_id,
+            token_ids=req.token_ids[start:start + n],
+            start=start,
+            block_ids=self.kv.block_ids(req.request_id),
+            sample=start + n == req.num_tokens,
+            params=req.params,
+            generator=req.generator,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def advance(self, out: SchedulerOutput) -> list[Request]:
+        """After the runner ran `out`: count computed tokens, cache full blocks.
+        Returns the requests that reached their last token (they get a sampled token next)."""
+        by_id = {r.request_id: r for r in self.running}
+        sampled = []
+        for chunk in out.chunks:
+            req = by_id[chunk.request_id]
+            req.num_computed_tokens += len(chunk.token_ids)
+            self.kv.cache_computed(req)
+            if chunk.sample:
+                sampled.append(req)
+        return sampled
+
+    def finish(self, req: Request) -> None:
+        """Remove a request wherever it is and free its blocks."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)

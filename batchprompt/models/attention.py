@@ -1,0 +1,71 @@
+"""Attention over a paged KV cache.
+
+The model works on a flat list of tokens (every request's new tokens, back to back), so its
+matmuls never see padding. Only attention groups tokens by request: each group is a padded
+[requests, queries] block whose keys are gathered from the cache by slot index, and one
+`scaled_dot_product_attention` call serves the whole group. Decode rows (one query) form one
+group; prefill chunks form one or a few groups of similar length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionGroup:
+    """Requests whose attention runs as one padded SDPA call."""
+
+    query_index: torch.Tensor  # [B, Q] flat token index of each query (padding points at a real token)
+    key_slots: torch.Tensor  # [B, K] cache slot of each key (padding points at slot 0)
+    mask: torch.Tensor | None  # [B, 1, Q, K] bool, True where a query may look; None: all
+    valid: torch.Tensor | None  # [B*Q] flat positions of real queries; None: no query padding
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        flat = self.query_index.reshape(-1)
+        return flat if self.valid is None else flat[self.valid]
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one step; built by the runner, read by every layer."""
+
+    slot_mapping: torch.Tensor  # [T] cache slot where each new token's K and V are written
+    groups: list[AttentionGroup]
+    num_tokens: int
+
+
+@dataclass
+class LayerCache:
+    """One layer's K and V storage: [slots, kv_heads, head_dim] each."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
+    """q [T, Hq, D], k and v [T, Hkv, D] for the new tokens -> output [T, Hq * D]."""
+    cache.k.index_copy_(0, meta.slot_mapping, k)
+    cache.v.index_copy_(0, meta.slot_mapping, v)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    out = q.new_empty(meta.num_tokens, num_heads * head_dim)
+    for g in meta.groups:
+        b, nq = g.query_index.shape
+        nk = g.key_slots.shape[1]
+        slots = g.key_slots.reshape(-1)
+        keys = cache.k.index_select(0, slots).view(b, nk, -1, head_dim).transpose(1, 2)
+        values = cache.v.index_select(0, slots).view(b, nk, -1, head_dim).transpose(1, 2)
+        queries = q.index_select(0, g.query_index.reshape(-1)).view(b, nq, num_heads, head_dim)
+        o = F.scaled_dot_product_attention(
+            queries.transpose(1, 2), keys, values, attn_mask=g.mask,
+            enable_gqa=keys.shape[1] != num_heads,
+        )
+        o = o.transpose(1, 2).reshape(b * nq, num_heads * head_dim)
+        if g.valid is not None:
+            o = o.index_select(0, g.valid)
+        out.index_copy_(0, g.tokens, o)
+    return out

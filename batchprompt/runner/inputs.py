@@ -1,0 +1,91 @@
+"""Turn a SchedulerOutput into model inputs: flat token ids, positions, slots, attention groups."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.outputs import ScheduledChunk
+from ..models.attention import AttentionGroup, AttentionMetadata
+
+# A group of padded attention rows may cost at most this much more than its real area.
+MAX_PADDING_RATIO = 1.5
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: AttentionMetadata
+    logits_index: torch.Tensor  # flat index of the last token of each sampling chunk
+    sampling_chunks: list[ScheduledChunk]
+
+
+def build_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.device) -> ModelInputs:
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    offsets: list[int] = []
+    for c in chunks:
+        offsets.append(len(ids))
+        ids.extend(c.token_ids)
+        for p in range(c.start, c.context_len):
+            positions.append(p)
+            slots.append(c.block_ids[p // block_size] * block_size + p % block_size)
+    sampling = [(i, c) for i, c in enumerate(chunks) if c.sample]
+    groups = [_group(chunks, offsets, members, block_size, device)
+              for members in _plan_groups(chunks)]
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    return ModelInputs(
+        input_ids=as_long(ids),
+        positions=as_long(positions),
+        attention=AttentionMetadata(as_long(slots), groups, len(ids)),
+        logits_index=as_long([offsets[i] + len(c.token_ids) - 1 for i, c in sampling]),
+        sampling_chunks=[c for _, c in sampling],
+    )
+
+
+def _plan_groups(chunks: list[ScheduledChunk]) -> list[list[int]]:
+    """Split chunks into groups of similar shape, so padding stays under MAX_PADDING_RATIO.
+    Decodes (one query) and prefills never share a group."""
+    groups: list[list[int]] = []
+    for is_decode in (True, False):
+        members = [i for i, c in enumerate(chunks) if (len(c.token_ids) == 1) == is_decode]
+        members.sort(key=lambda i: (len(chunks[i].token_ids), chunks[i].context_len))
+        current: list[int] = []
+        real = max_q = max_k = 0
+        for i in members:
+            q, k = len(chunks[i].token_ids), chunks[i].context_len
+            mq, mk = max(max_q, q), max(max_k, k)
+            if current and (len(current) + 1) * mq * mk > MAX_PADDING_RATIO * (real + q * k):
+                groups.append(current)
+                current, real, mq, mk = [], 0, q, k
+            current.append(i)
+            real, max_q, max_k = real + q * k, mq, mk
+        if current:
+            groups.append(current)
+    return groups
+
+
+def _group(chunks, offsets, members, block_size, device) -> AttentionGroup:
+    sel = [chunks[i] for i in members]
+    q_lens = torch.tensor([len(c.token_ids) for c in sel], device=device)
+    starts = torch.tensor([c.start for c in sel], device=device)
+    max_q = int(q_lens.max())
+    max_k = max(c.context_len for c in sel)
+    max_blocks = -(-max_k // block_size)
+    table = torch.tensor([c.block_ids[:max_blocks] + [0] * (max_blocks - min(len(c.block_ids), max_blocks))
+                          for c in sel], dtype=torch.long, device=device)
+    key_slots = (table.unsqueeze(-1) * block_size
+                 + torch.arange(block_size, device=device)).view(len(sel), -1)[:, :max_k]
+    q_pos = torch.arange(max_q, device=device)
+    clamped = torch.minimum(q_pos.unsqueeze(0), (q_lens - 1).unsqueeze(1))  # padding repeats the last query
+    offs = torch.tensor([offsets[i] for i in members], dtype=torch.long, device=device)
+    query_index = offs.unsqueeze(1) + clamped
+    # A query at position start+i sees keys 0..start+i (causal), which also hides key padding.
+    visible = (starts.unsqueeze(1) + clamped).unsqueeze(-1)
+    mask = (torch.arange(max_k, device=device).view(1, 1, -1) <= visible).unsqueeze(1)
+    valid = None
+    if max_q > 1 and bool((q_lens != max_q).any()):
+        valid = (q_pos.unsqueeze(0) < q_lens.unsqueeze(1)).view(-1).nonzero().squeeze(1)
+    return AttentionGroup(query_index, key_slots, mask, valid)

@@ -1,0 +1,76 @@
+"""Shared fixtures: a tiny random Llama, the embedded model, a helper to get full logits."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SPAM_SYSTEM = ("You are a spam filter for SMS messages. Read the message and answer with "
+               "exactly one word: spam or ham.")
+
+
+def sms_rows(n: int | None = None) -> list[tuple[str, str]]:
+    rows = []
+    with open(DATA / "sms_spam.tsv", encoding="utf-8") as f:
+        next(f)
+        for line in f:
+            label, text = line.rstrip("\n").split("\t", 1)
+            rows.append((label, text))
+            if n is not None and len(rows) == n:
+                break
+    return rows
+
+
+def tiny_hf_config(**overrides):
+    from transformers import LlamaConfig
+
+    cfg = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+               bos_token_id=1, eos_token_id=2)
+    cfg.update(overrides)
+    return LlamaConfig(**cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A random Llama saved as a local HF directory (config.json + safetensors), no tokenizer."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_hf_config()).eval()
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def embedded_engine():
+    """The embedded SmolLM2-135M in bfloat16, as users get it by default."""
+    from batchprompt import LLMEngine
+
+    return LLMEngine.from_pretrained(max_num_batched_tokens=1024)
+
+
+def full_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """Logits of every position of one prompt, run through the paged-cache path."""
+    from batchprompt.engine.outputs import ScheduledChunk
+    from batchprompt.engine.sampling_params import SamplingParams
+    from batchprompt.runner.inputs import build_inputs
+    from batchprompt.runner.kv_tensors import KVTensors
+
+    block_size = 4
+    blocks = -(-len(token_ids) // block_size)
+    param = next(model.parameters())
+    kv = KVTensors(model.args, block_size, param.dtype, param.device)
+    kv.ensure(blocks, blocks)
+    chunk = ScheduledChunk("r", list(token_ids), 0, list(range(blocks)), True, SamplingParams())
+    inputs = build_inputs([chunk], block_size, param.device)
+    with torch.inference_mode():
+        hidden = model(inputs.input_ids, inputs.positions, kv.layers, inputs.attention)
+        return model.logits(hidden)

@@ -1,0 +1,79 @@
+"""Our model against Hugging Face transformers on the same weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchprompt.models import build_model, load_hf_weights, resolve_model
+from batchprompt.models.gguf_reader import unpermute_rotary
+
+from ..conftest import full_logits, tiny_hf_config
+
+
+def _hf_logits(hf_model, ids):
+    with torch.inference_mode():
+        return hf_model(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"tie_word_embeddings": True},
+    {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+])
+def test_tiny_random_llama_matches_transformers(tmp_path, overrides):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(1)
+    hf = LlamaForCausalLM(tiny_hf_config(**overrides)).eval()
+    hf.save_pretrained(tmp_path)
+    args, weights = load_hf_weights(resolve_model(tmp_path))
+    ours = build_model(args, weights, torch.float32, torch.device("cpu"))
+    ids = torch.randint(0, 97, (150,)).tolist()
+    expected, got = _hf_logits(hf, ids), full_logits(ours, ids)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_tiny_qwen2_with_bias_matches_transformers(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(2)
+    cfg = Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    hf = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # random init leaves biases at zero; make them count
+        for layer in hf.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_()
+    hf.save_pretrained(tmp_path)
+    args, weights = load_hf_weights(resolve_model(tmp_path))
+    assert args.attention_bias
+    ours = build_model(args, weights, torch.float32, torch.device("cpu"))
+    ids = torch.randint(0, 97, (40,)).tolist()
+    torch.testing.assert_close(full_logits(ours, ids), _hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    w = torch.randn(12, 5).numpy()
+    n_head = 3
+    permuted = w.reshape(n_head, 2, 2, 5).swapaxes(1, 2).reshape(w.shape)  # llama.cpp's convert
+    assert (unpermute_rotary(permuted, n_head) == w).all()
+
+
+@pytest.mark.slow
+def test_embedded_model_matches_transformers_gguf_loader():
+    """The embedded GGUF: our reader and model against transformers' own GGUF reader (which
+    dequantizes and un-permutes Q/K independently of ours) in a dense transformers Llama."""
+    from transformers import AutoModelForCausalLM
+
+    source = resolve_model(None)
+    hf = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name,
+                                              dtype=torch.float32).eval()
+    args, weights = load_hf_weights(source)
+    ours = build_model(args, weights, torch.float32, torch.device("cpu"))
+    ids = list(range(1, 60)) + [9690, 198, 2683, 359, 253, 26804, 5866]
+    expected, got = _hf_logits(hf, ids), full_logits(ours, ids)
+    scale = expected.abs().max()
+    assert (got - expected).abs().max() <= 1e-4 * scale
+    assert (got.argmax(-1) == expected.argmax(-1)).all()
