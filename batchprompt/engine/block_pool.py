@@ -102,6 +102,11 @@ class BlockPool:
             del self._cached[block.block_hash]
         block.key = block.block_hash = None
 
+    def drop_free_cached(self) -> None:
+        """Forget every cached block nobody holds (after a failed step: their K/V may be torn)."""
+        for block_id in list(self._free):
+            self._uncache(self.blocks[block_id])
+
     def evictable_count(self, blocks: list[Block]) -> int:
         """How many of these (cached) blocks sit in the free list now."""
         return sum(1 for b in blocks if b.ref_count == 0)

@@ -12,7 +12,8 @@ class EngineConfig:
     tokens."""
 
     block_size: int = 4
-    max_num_seqs: int = 256
+    # Enough sequences that short requests keep every step full of prefill work.
+    max_num_seqs: int = 512
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's own context length
     kv_cache_memory: int | None = None

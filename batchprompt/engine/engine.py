@@ -120,7 +120,10 @@ class LLMEngine:
             self.scheduler.finish(req)
             req.finish("error", "the request does not fit in the KV cache budget")
             return done + [self._finish_output(req)]
-        out = self.runner.execute(sched)
+        try:
+            out = self.runner.execute(sched)
+        except Exception as e:  # the step's requests fail alone; everything else goes on
+            return done + self._fail_step(sched, e)
         decode_chunks = 0
         for req in self.scheduler.advance(sched):
             if req.num_tokens > req.num_prompt_tokens:
@@ -138,6 +141,16 @@ class LLMEngine:
         s.preemptions = self.scheduler.num_preemptions
         s.busy_seconds += time.perf_counter() - t0
         return done
+
+    def _fail_step(self, sched, error: Exception) -> list[RequestOutput]:
+        failed = []
+        for chunk in sched.chunks:
+            req = self._requests[chunk.request_id]
+            self.scheduler.finish(req)
+            req.finish("error", f"the model failed on this step: {type(error).__name__}: {error}")
+            failed.append(self._finish_output(req))
+        self.pool.drop_free_cached()
+        return failed
 
     def _finish_output(self, req: Request) -> RequestOutput:
         del self._requests[req.request_id]

@@ -70,12 +70,17 @@ class KVCacheManager:
             blocks.extend(self.pool.allocate(new))
         return True
 
-    def cache_computed(self, request: Request) -> None:
-        """Register the request's newly full, computed blocks in the prefix cache."""
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks that are full once its first `num_tokens` are computed.
+
+        Called when a chunk is scheduled, not after it ran: every layer writes all new K/V of a
+        step before any request reads, so a request admitted in the same step can already share
+        these blocks. A shared system prompt is thus computed once even in the first step.
+        """
         if not self.enable_prefix_caching:
             return
         hashes = self._hashes.setdefault(request.request_id, [])
-        full = request.num_computed_tokens // self.block_size
+        full = num_tokens // self.block_size
         if full <= len(hashes):
             return
         blocks = self._blocks[request.request_id]

@@ -85,6 +85,7 @@ class Scheduler:
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed_tokens
+        self.kv.cache_full_blocks(req, start + n)
         return ScheduledChunk(
             request_id=req.request_id,
             token_ids=req.token_ids[start:start + n],
@@ -104,14 +105,13 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def advance(self, out: SchedulerOutput) -> list[Request]:
-        """After the runner ran `out`: count computed tokens, cache full blocks.
+        """After the runner ran `out`: count computed tokens.
         Returns the requests that reached their last token (they get a sampled token next)."""
         by_id = {r.request_id: r for r in self.running}
         sampled = []
         for chunk in out.chunks:
             req = by_id[chunk.request_id]
             req.num_computed_tokens += len(chunk.token_ids)
-            self.kv.cache_computed(req)
             if chunk.sample:
                 sampled.append(req)
         return sampled

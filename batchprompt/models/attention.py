@@ -22,6 +22,9 @@ class AttentionGroup:
     key_slots: torch.Tensor  # [B, K] cache slot of each key (padding points at slot 0)
     mask: torch.Tensor | None  # [B, 1, Q, K] bool, True where a query may look; None: all
     valid: torch.Tensor | None  # [B*Q] flat positions of real queries; None: no query padding
+    # Set when the group's queries are the contiguous, unpadded tokens [start, stop): they are
+    # then read and written as a slice instead of gathered and scattered.
+    token_range: tuple[int, int] | None = None
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -59,12 +62,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         slots = g.key_slots.reshape(-1)
         keys = cache.k.index_select(0, slots).view(b, nk, -1, head_dim).transpose(1, 2)
         values = cache.v.index_select(0, slots).view(b, nk, -1, head_dim).transpose(1, 2)
-        queries = q.index_select(0, g.query_index.reshape(-1)).view(b, nq, num_heads, head_dim)
+        if g.token_range is not None:
+            queries = q[g.token_range[0]:g.token_range[1]]
+        else:
+            queries = q.index_select(0, g.query_index.reshape(-1))
         o = F.scaled_dot_product_attention(
-            queries.transpose(1, 2), keys, values, attn_mask=g.mask,
-            enable_gqa=keys.shape[1] != num_heads,
+            queries.view(b, nq, num_heads, head_dim).transpose(1, 2), keys, values,
+            attn_mask=g.mask, enable_gqa=keys.shape[1] != num_heads,
         )
         o = o.transpose(1, 2).reshape(b * nq, num_heads * head_dim)
+        if g.token_range is not None:
+            out[g.token_range[0]:g.token_range[1]] = o
+            continue
         if g.valid is not None:
             o = o.index_select(0, g.valid)
         out.index_copy_(0, g.tokens, o)

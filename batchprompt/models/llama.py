@@ -11,14 +11,13 @@ from .rotary import apply_rotary, rotary_table
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """Normalized in float32 and scaled in the model dtype, as the reference implementation does."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)
 
 
 class Attention(nn.Module):
@@ -33,13 +32,13 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata):
         a = self.a
-        q, k, v = self.qkv(x).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-        q = q.view(-1, a.num_heads, a.head_dim)
-        k = k.view(-1, a.num_kv_heads, a.head_dim)
+        qkv = self.qkv(x).view(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
+        qk, v = qkv.split([a.num_heads + a.num_kv_heads, a.num_kv_heads], dim=1)
         if a.qk_norm:
-            q, k = rms_norm(q, self.q_norm, a.rms_eps), rms_norm(k, self.k_norm, a.rms_eps)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        v = v.reshape(-1, a.num_kv_heads, a.head_dim)
+            q, k = qk.split([a.num_heads, a.num_kv_heads], dim=1)
+            qk = torch.cat([rms_norm(q, self.q_norm, a.rms_eps), rms_norm(k, self.k_norm, a.rms_eps)], dim=1)
+        qk = apply_rotary(qk, cos, sin)  # q and k rotated in one pass
+        q, k = qk.split([a.num_heads, a.num_kv_heads], dim=1)
         return self.o(paged_attention(q, k, v, cache, meta))
 
 
@@ -80,7 +79,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 caches: list[LayerCache], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed(input_ids)
-        cos, sin = self.cos[positions], self.sin[positions]
+        cos, sin = self.cos[positions].to(x.dtype), self.sin[positions].to(x.dtype)
         for layer, cache in zip(self.layers, caches):
             x = layer(x, cos, sin, cache, meta)
         return rms_norm(x, self.norm, self.args.rms_eps)

@@ -32,18 +32,18 @@ def _llama3_scaling(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 
 def rotary_table(head_dim: int, max_position: int, theta: float,
                  scaling: dict[str, Any] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, each [max_position, head_dim // 2], in float32."""
+    """cos and sin, each [max_position, head_dim] (each half repeated), in float32."""
     inv_freq = inverse_frequencies(head_dim, theta, scaling)
     angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` [tokens, heads, head_dim] by per-token cos/sin [tokens, head_dim // 2].
+    """Rotate `x` [tokens, heads, head_dim] by per-token cos/sin [tokens, head_dim].
 
-    Uses the "rotate half" layout of Hugging Face checkpoints (GGUF weights are un-permuted
-    into it at load time).
+    "Rotate half" layout of Hugging Face checkpoints (GGUF weights are un-permuted into it at
+    load time), computed in the model dtype as the reference implementation does.
     """
-    x1, x2 = x.float().chunk(2, dim=-1)
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos.unsqueeze(1) + torch.cat((-x2, x1), dim=-1) * sin.unsqueeze(1)

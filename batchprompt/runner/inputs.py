@@ -22,19 +22,21 @@ class ModelInputs:
 
 
 def build_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.device) -> ModelInputs:
+    plan = _plan_groups(chunks)
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
-    offsets: list[int] = []
-    for c in chunks:
-        offsets.append(len(ids))
+    offsets: list[int] = [0] * len(chunks)
+    # Tokens are laid out group by group, so an unpadded group is one contiguous slice.
+    for i in (i for members in plan for i in members):
+        c = chunks[i]
+        offsets[i] = len(ids)
         ids.extend(c.token_ids)
         for p in range(c.start, c.context_len):
             positions.append(p)
             slots.append(c.block_ids[p // block_size] * block_size + p % block_size)
     sampling = [(i, c) for i, c in enumerate(chunks) if c.sample]
-    groups = [_group(chunks, offsets, members, block_size, device)
-              for members in _plan_groups(chunks)]
+    groups = [_group(chunks, offsets, members, block_size, device) for members in plan]
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return ModelInputs(
         input_ids=as_long(ids),
@@ -85,7 +87,9 @@ def _group(chunks, offsets, members, block_size, device) -> AttentionGroup:
     # A query at position start+i sees keys 0..start+i (causal), which also hides key padding.
     visible = (starts.unsqueeze(1) + clamped).unsqueeze(-1)
     mask = (torch.arange(max_k, device=device).view(1, 1, -1) <= visible).unsqueeze(1)
-    valid = None
+    valid, token_range = None, None
     if max_q > 1 and bool((q_lens != max_q).any()):
         valid = (q_pos.unsqueeze(0) < q_lens.unsqueeze(1)).view(-1).nonzero().squeeze(1)
-    return AttentionGroup(query_index, key_slots, mask, valid)
+    else:
+        token_range = (offsets[members[0]], offsets[members[0]] + len(members) * max_q)
+    return AttentionGroup(query_index, key_slots, mask, valid, token_range)
