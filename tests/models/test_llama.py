@@ -54,6 +54,31 @@ def test_tiny_qwen2_with_bias_matches_transformers(tmp_path):
     torch.testing.assert_close(full_logits(ours, ids), _hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_tiny_qwen3_and_mistral_match_transformers(tmp_path, family):
+    import transformers
+
+    torch.manual_seed(3)
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    if family == "qwen3":
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=32, **common))
+    else:
+        hf = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=None, **common))
+    hf = hf.eval()
+    if family == "qwen3":
+        with torch.no_grad():  # q/k norms start at one; make them count
+            for layer in hf.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    hf.save_pretrained(tmp_path)
+    args, weights = load_hf_weights(resolve_model(tmp_path))
+    assert args.qk_norm == (family == "qwen3")
+    ours = build_model(args, weights, torch.float32, torch.device("cpu"))
+    ids = torch.randint(0, 97, (50,)).tolist()
+    torch.testing.assert_close(full_logits(ours, ids), _hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+
+
 def test_unpermute_inverts_llama_cpp_permutation():
     w = torch.randn(12, 5).numpy()
     n_head = 3
