@@ -2,28 +2,16 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
-
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-SPAM_SYSTEM = ("You are a spam filter for SMS messages. Read the message and answer with "
-               "exactly one word: spam or ham.")
+from batchprompt.data import SPAM_SYSTEM, read_sms  # noqa: E402,F401  (re-exported for tests)
 
 
 def sms_rows(n: int | None = None) -> list[tuple[str, str]]:
-    rows = []
-    with open(DATA / "sms_spam.tsv", encoding="utf-8") as f:
-        next(f)
-        for line in f:
-            label, text = line.rstrip("\n").split("\t", 1)
-            rows.append((label, text))
-            if n is not None and len(rows) == n:
-                break
-    return rows
+    return read_sms(limit=n)
 
 
 def tiny_hf_config(**overrides):

@@ -85,7 +85,7 @@ def _args_from_metadata(meta: dict[str, object], tensor_names: set[str]) -> Mode
         scaling = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor", 1.0)}
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return ModelArgs(
-        vocab_size=int(get("vocab_size", 0) or 0) or _vocab_from_tensors(meta),
+        vocab_size=_vocab_size(meta, arch),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
         num_layers=int(get("block_count")),
@@ -105,5 +105,8 @@ def _args_from_metadata(meta: dict[str, object], tensor_names: set[str]) -> Mode
     )
 
 
-def _vocab_from_tensors(meta: dict[str, object]) -> int:
-    raise ValueError("GGUF metadata has no vocab_size; this file is not a supported model")
+def _vocab_size(meta: dict[str, object], arch: str) -> int:
+    size = meta.get(f"{arch}.vocab_size")
+    if not size:
+        raise ValueError("this GGUF file has no vocab_size in its metadata; it is not a supported model file")
+    return int(size)

@@ -66,6 +66,22 @@ def test_last_prompt_token_is_never_a_hit():
     assert len(kv.find_cached_prefix(same)) == 1  # 2 full blocks cached, only 1 usable
 
 
+def test_a_pin_keeps_a_prefix_cached_after_its_request_ends():
+    kv = KVCacheManager(BlockPool(6), block_size=4)
+    a = req("a", list(range(10)))
+    kv.allocate(a, 10)
+    kv.cache_full_blocks(a, 10)
+    assert kv.pin("session", a) == 8
+    kv.free(a)
+    assert kv.pool.num_used == 2  # the two pinned blocks
+    filler = req("f", list(range(100, 116)))
+    assert kv.allocate(filler, 16)  # takes every unpinned block, evicts nothing pinned
+    assert len(kv.find_cached_prefix(req("b", list(range(10))))) == 2
+    kv.free(filler)
+    kv.unpin("session")
+    assert kv.pool.num_used == 0
+
+
 def test_allocation_failure_changes_nothing():
     kv = KVCacheManager(BlockPool(3), block_size=4)
     a = req("a", list(range(20)))
