@@ -84,17 +84,18 @@ class LlamaModel(nn.Module):
         self.lm_head = None if args.tie_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.reset_rotary()
 
-    def reset_rotary(self, device: torch.device | None = None) -> None:
-        """(Re)compute the rotary table: a derived buffer, never part of a checkpoint."""
+    def reset_rotary(self, device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+        """(Re)compute the rotary table: a derived buffer, never part of a checkpoint. It is
+        kept in the model dtype, in which rotary is applied, so no step has to cast it."""
         a = self.args
         cos, sin = rotary_table(a.head_dim, a.max_position, a.rope_theta, a.rope_scaling)
-        self.register_buffer("cos", cos.to(device), persistent=False)
-        self.register_buffer("sin", sin.to(device), persistent=False)
+        self.register_buffer("cos", cos.to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("sin", sin.to(device=device, dtype=dtype), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 caches: list[LayerCache], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed(input_ids)
-        cos, sin = self.cos[positions].to(x.dtype), self.sin[positions].to(x.dtype)
+        cos, sin = self.cos[positions], self.sin[positions]
         for layer, cache in zip(self.layers, caches):
             x = layer(x, cos, sin, cache, meta)
         return rms_norm(x, self.norm, self.args.rms_eps)

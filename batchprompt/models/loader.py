@@ -119,5 +119,5 @@ def build_model(args: ModelArgs, hf_state: dict[str, torch.Tensor],
         model = LlamaModel(args)
     state = {k: v.to(device=device, dtype=dtype).contiguous() for k, v in to_internal_state(args, hf_state).items()}
     model.load_state_dict(state, strict=True, assign=True)
-    model.reset_rotary(device)
+    model.reset_rotary(device, dtype)
     return model.eval().requires_grad_(False)

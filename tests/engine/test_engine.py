@@ -6,6 +6,7 @@ import torch
 
 from batchprompt import EngineConfig, LLMEngine, SamplingParams
 from batchprompt.models import build_model, load_hf_weights, resolve_model
+from batchprompt.runner.kv_tensors import KVTensors
 
 from ..conftest import SPAM_SYSTEM, full_logits, sms_rows
 
@@ -42,7 +43,7 @@ def test_batched_equals_alone_with_chunking_and_prefix_cache(tiny_model):
 def test_preemption_in_a_tiny_cache_gives_the_same_tokens(tiny_model):
     ps = prompts(12)
     ref = [o.output_token_ids for o in engine(tiny_model).generate(ps, GREEDY)]
-    per_block = 2 * 2 * 4 * 2 * 16 * 4  # K and V, layers, block, kv heads, head dim, float32
+    per_block = KVTensors.bytes_per_block(tiny_model.args, EngineConfig().block_size, torch.float32)
     eng = engine(tiny_model, kv_cache_memory=60 * per_block, watermark=0.0)
     outs = eng.generate(ps, GREEDY)
     assert eng.stats.preemptions > 0
