@@ -1,7 +1,10 @@
 """batchprompt: run a language model over many independent prompts, fast and safely."""
+from .api import (Batch, BatchError, LanguageModel, Progress, Result, SessionDestroyedError, Usage,
+                  abatch_prompt, batch_prompt)
 from .engine import EngineConfig, EngineStats, LLMEngine, RequestOutput, SamplingParams
 from .models import ModelNotFoundError
 
 __version__ = "0.1.0"
-__all__ = ["EngineConfig", "EngineStats", "LLMEngine", "ModelNotFoundError", "RequestOutput",
-           "SamplingParams"]
+__all__ = ["Batch", "BatchError", "EngineConfig", "EngineStats", "LLMEngine", "LanguageModel",
+           "ModelNotFoundError", "Progress", "RequestOutput", "Result", "SamplingParams",
+           "SessionDestroyedError", "Usage", "abatch_prompt", "batch_prompt"]

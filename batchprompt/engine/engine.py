@@ -104,6 +104,18 @@ class LLMEngine:
         self._rejected.append(req)
         return True
 
+    # ---- pinned prefixes (a session's system prompt) ---------------------------------------
+    def pin_prefix(self, name: str, token_ids: list[int]) -> int:
+        """Keep the cached blocks that start `token_ids` alive under `name` until `unpin`.
+        Returns how many tokens are pinned (whole blocks that are in the cache now)."""
+        return self.kv.pin_tokens(name, list(token_ids))
+
+    def copy_pin(self, source: str, name: str) -> int:
+        return self.kv.pin_copy(source, name)
+
+    def unpin(self, name: str) -> None:
+        self.kv.unpin(name)
+
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 

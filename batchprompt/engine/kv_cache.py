@@ -97,9 +97,28 @@ class KVCacheManager:
     # Pins keep a prefix's blocks alive (referenced) while, for example, a session lives.
     def pin(self, name: str, request: Request) -> int:
         """Hold references on `request`'s cached prefix under `name`; returns tokens pinned."""
-        self.unpin(name)
         blocks = self._blocks.get(request.request_id, [])[: len(self._hashes.get(request.request_id, []))]
-        self.pool.touch(blocks)
+        return self._pin(name, blocks)
+
+    def pin_tokens(self, name: str, token_ids: list[int]) -> int:
+        """Hold references on the cached blocks that start `token_ids` (as far as they are
+        cached); returns tokens pinned. Used right after a prefix was computed."""
+        blocks = []
+        if self.enable_prefix_caching:
+            for block_hash, key in self._chain(token_ids, 0, _ROOT_HASH, len(token_ids) // self.block_size):
+                block = self.pool.lookup(block_hash, key)
+                if block is None:
+                    break
+                blocks.append(block)
+        return self._pin(name, blocks)
+
+    def pin_copy(self, source: str, name: str) -> int:
+        """Pin under `name` the blocks pinned under `source` (nothing recomputed)."""
+        return self._pin(name, list(self.pins.get(source, [])))
+
+    def _pin(self, name: str, blocks: list[Block]) -> int:
+        self.pool.touch(blocks)  # before unpinning: re-pinning the same blocks must not free them
+        self.unpin(name)
         self.pins[name] = blocks
         return len(blocks) * self.block_size
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -27,6 +28,9 @@ class Tokenizer:
             eos.add(hf_tokenizer.eos_token_id)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.has_chat_template = bool(getattr(hf_tokenizer, "chat_template", None))
+        # Callers' threads encode while the engine thread decodes; the Rust tokenizer may not
+        # be entered from two threads at once ("Already borrowed"), so calls take turns.
+        self._lock = threading.Lock()
 
     @classmethod
     def load(cls, source: ModelSource, extra_eos: Sequence[int] = ()) -> "Tokenizer":
@@ -52,10 +56,12 @@ class Tokenizer:
         return len(self.hf)
 
     def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=False)
+        with self._lock:
+            return self.hf.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=True)
+        with self._lock:
+            return self.hf.decode(list(ids), skip_special_tokens=True)
 
     def render(self, prompt: str | Sequence[Message], system: str | None = None) -> str:
         """The text the model sees: chat messages through the template, ending with the

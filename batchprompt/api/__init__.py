@@ -1,0 +1,34 @@
+"""The batch prompt API: static (`batch_prompt`), sessions (`LanguageModel`) and streaming (`Batch`)."""
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+from .batch import Batch, Progress
+from .options import GenerationOptions
+from .result import BatchError, Result, SessionDestroyedError, Usage
+from .session import LanguageModel, Message, Prompt
+
+
+def batch_prompt(prompts: Iterable[Prompt], *, system: str | None = None,
+                 initial_prompts: Sequence[Message] | None = None, model=None, errors: str = "return",
+                 progress: bool = False, **options: Any) -> list[Result]:
+    """Run every prompt with a shared system prompt; results in input order."""
+    with LanguageModel.create(system=system, initial_prompts=initial_prompts, model=model) as lm:
+        return lm.batch_prompt(prompts, errors=errors, progress=progress, **options)
+
+
+async def abatch_prompt(prompts: Iterable[Prompt], *, system: str | None = None,
+                        initial_prompts: Sequence[Message] | None = None, model=None, errors: str = "return",
+                        **options: Any) -> list[Result]:
+    import asyncio
+
+    lm = await asyncio.to_thread(LanguageModel.create, system=system, initial_prompts=initial_prompts,
+                                 model=model)
+    try:
+        return await lm.abatch_prompt(prompts, errors=errors, **options)
+    finally:
+        lm.destroy()
+
+
+__all__ = ["Batch", "BatchError", "GenerationOptions", "LanguageModel", "Progress", "Result",
+           "SessionDestroyedError", "Usage", "abatch_prompt", "batch_prompt"]

@@ -1,0 +1,53 @@
+"""What the batch API hands back: one Result per prompt."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Result:
+    """One prompt's answer. `str(result)` is its text; a failed item has `error` set."""
+
+    index: int
+    text: str = ""
+    finish_reason: str = "error"  # "stop", "length", "cancelled" or "error"
+    usage: Usage = field(default_factory=Usage)
+    error: str | None = None
+    logprobs: list[float] | None = None
+    token_ids: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class BatchError(Exception):
+    """Raised by `errors="raise"` once every other item has finished; carries all results."""
+
+    def __init__(self, results: list[Result]):
+        self.results = results
+        self.failed = [r for r in results if r is not None and not r.ok and r.finish_reason != "cancelled"]
+        indices = [r.index for r in self.failed]
+        listed = f"{indices[:20]}{'...' if len(indices) > 20 else ''}"
+        shown = "; ".join(f"[{r.index}] {r.error}" for r in self.failed[:3])
+        more = f" (and {len(self.failed) - 3} more)" if len(self.failed) > 3 else ""
+        super().__init__(f"{len(self.failed)} of {len(results)} prompts failed, at indices "
+                         f"{listed}: {shown}{more}")
+
+
+class SessionDestroyedError(RuntimeError):
+    pass

@@ -1,0 +1,195 @@
+"""LanguageModel: a session with a shared system prompt, in the shape of the browser Prompt API.
+
+    lm = LanguageModel.create(system="Respond with: spam or not_spam")
+    results = lm.batch_prompt(prompts, max_tokens=8)
+    text = lm.prompt("one prompt")
+    other = lm.clone(); lm.destroy()
+
+The session's prefix (the chat template up to the first user turn: system prompt and any
+initial messages) is computed once when the session is created and stays pinned in the
+engine's prefix cache until `destroy()`; every prompt of the session reuses it.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from concurrent.futures import Future
+from typing import Any, Iterable, Sequence
+
+from ..engine import LLMEngine, RequestOutput, SamplingParams
+from .batch import Batch, Prepared, check_errors
+from .options import GenerationOptions
+from .result import Result, SessionDestroyedError
+from .service import EngineService, Item, Source, get_service
+
+Message = dict[str, str]
+Prompt = str | Sequence[Message]
+_session_ids = itertools.count()
+
+
+class LanguageModel:
+    """Create with `LanguageModel.create(...)`. Options (max_tokens, temperature, top_p, top_k,
+    seed, stop, logprobs) set here are the session's defaults; each call may override them."""
+
+    def __init__(self, service: EngineService, initial_prompts: list[Message], options: GenerationOptions,
+                 _pin_from: str | None = None):
+        self._service = service
+        self._initial = initial_prompts
+        self.options = options
+        self._name = f"session-{next(_session_ids)}"
+        self._destroyed = False
+        self._lock = threading.Lock()
+        self.prefix_token_ids = self._prefix_ids()
+        if _pin_from is not None:
+            self.pinned_tokens = service.call(lambda: service.engine.copy_pin(_pin_from, self._name)).result()
+        else:
+            self.pinned_tokens = self._compute_prefix()
+        self._finalizer = weakref.finalize(self, _unpin, service, self._name)
+
+    @classmethod
+    def create(cls, system: str | None = None, initial_prompts: Sequence[Message] | None = None,
+               model: str | LLMEngine | None = None, *, device: str = "auto", dtype: str = "auto",
+               engine_options: dict | None = None, **options: Any) -> "LanguageModel":
+        """A session on `model` (None: the embedded SmolLM2-135M; a .gguf path, a Hugging Face
+        directory or hub id; or an LLMEngine). One engine per model serves the whole process."""
+        initial = _check_messages(list(initial_prompts or []), "initial_prompts")
+        if system is not None:
+            if initial and initial[0]["role"] == "system":
+                raise ValueError("give the system prompt either as system= or as the first of "
+                                 "initial_prompts, not both")
+            initial.insert(0, {"role": "system", "content": system})
+        opts = GenerationOptions().merged(options)
+        service = get_service(model, device=device, dtype=dtype, engine_options=engine_options)
+        return cls(service, initial, opts)
+
+    # ---- the prefix ------------------------------------------------------------------------
+    def _render_ids(self, messages: list[Message]) -> list[int]:
+        tok = self._service.engine.tokenizer
+        if tok is None:
+            raise ValueError("this engine has no tokenizer: the batch API needs one to render prompts")
+        return tok.encode(tok.render(messages))
+
+    def _prefix_ids(self) -> list[int]:
+        """The tokens every prompt of this session starts with: the common start of two
+        renderings that differ only in the user's text."""
+        a = self._render_ids(self._initial + [{"role": "user", "content": "A"}])
+        b = self._render_ids(self._initial + [{"role": "user", "content": "B"}])
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return a[:n]
+
+    def _compute_prefix(self) -> int:
+        ids = self.prefix_token_ids
+        if not ids:
+            return 0
+        engine, name = self._service.engine, self._name
+        fut: Future = Future()
+
+        def done(out: RequestOutput) -> None:  # on the engine thread, right after the prefill
+            if out.error:
+                fut.set_exception(ValueError(f"the session's system prompt cannot run: {out.error}"))
+            else:
+                fut.set_result(engine.pin_prefix(name, ids))
+
+        source = Source()
+        source.items.append(Item(ids, SamplingParams(max_tokens=1, temperature=0.0), done))
+        self._service.submit(source)
+        return fut.result()
+
+    # ---- prompts ---------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise SessionDestroyedError("this session was destroyed; create a new one with "
+                                        "LanguageModel.create(...) or clone() a live one")
+
+    def _prepare(self, prompts: Iterable[Prompt], options: dict[str, Any]) -> list[Prepared]:
+        self._check_alive()
+        if isinstance(prompts, str):
+            raise TypeError("batch_prompt takes a list of prompts; for one prompt use prompt()")
+        params = self.options.merged(options).sampling_params()
+        out = []
+        for i, prompt in enumerate(prompts):
+            try:
+                out.append(Prepared(i, self._render_ids(self._messages(prompt)), params))
+            except (TypeError, ValueError, KeyError) as e:
+                out.append(Prepared(i, None, params, f"prompt {i} cannot be rendered: {e}"))
+        return out
+
+    def _messages(self, prompt: Prompt) -> list[Message]:
+        if isinstance(prompt, str):
+            return self._initial + [{"role": "user", "content": prompt}]
+        messages = _check_messages(list(prompt), "a prompt")
+        if self._initial and messages and messages[0]["role"] == "system":
+            raise ValueError("the session already has a system prompt; leave it out of the messages")
+        return self._initial + messages
+
+    def create_batch(self, prompts: Iterable[Prompt], *, progress: bool = False, **options: Any) -> Batch:
+        """A streaming batch (not started: call start(), wait(), or iterate it)."""
+        return Batch(self._service, self._prepare(prompts, options), progress=progress)
+
+    def batch_prompt(self, prompts: Iterable[Prompt], *, errors: str = "return", progress: bool = False,
+                     **options: Any) -> list[Result]:
+        """Results in input order. A failed item carries `.error`; errors="raise" raises one
+        BatchError naming the failed indices, after every other item has finished."""
+        check_errors([], errors)
+        return self.create_batch(prompts, progress=progress, **options).wait(errors=errors)
+
+    async def abatch_prompt(self, prompts: Iterable[Prompt], *, errors: str = "return",
+                            **options: Any) -> list[Result]:
+        check_errors([], errors)
+        return await self.create_batch(prompts, **options).wait_async(errors=errors)
+
+    def prompt(self, prompt: Prompt, **options: Any) -> str:
+        """One prompt's text; raises ValueError if it fails."""
+        return _text(self.batch_prompt([prompt], **options)[0])
+
+    async def aprompt(self, prompt: Prompt, **options: Any) -> str:
+        return _text((await self.abatch_prompt([prompt], **options))[0])
+
+    # ---- lifetime --------------------------------------------------------------------------
+    def clone(self, **options: Any) -> "LanguageModel":
+        """A new session with the same prefix (shared, not recomputed) and options."""
+        self._check_alive()
+        return LanguageModel(self._service, list(self._initial), self.options.merged(options),
+                             _pin_from=self._name)
+
+    def destroy(self) -> None:
+        """Release the pinned prefix; later calls on this session fail."""
+        with self._lock:
+            if self._destroyed:
+                return
+            self._destroyed = True
+        self._finalizer()
+
+    def __enter__(self) -> "LanguageModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self._service.engine
+
+    @property
+    def system(self) -> str | None:
+        return self._initial[0]["content"] if self._initial and self._initial[0]["role"] == "system" else None
+
+
+def _unpin(service: EngineService, name: str) -> None:
+    service.call(lambda: service.engine.unpin(name))
+
+
+def _text(result: Result) -> str:
+    if result.error is not None:
+        raise ValueError(result.error)
+    return result.text
+
+
+def _check_messages(messages: list, what: str) -> list[Message]:
+    for m in messages:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f"{what}: each message must be a dict with string 'role' and 'content', got {m!r}")
+    return [dict(m) for m in messages]

@@ -1,0 +1,138 @@
+"""Streaming batches: callbacks, iteration, cancel, progress, threads and asyncio."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+import batchprompt as bp
+from batchprompt.api.batch import Batch, Prepared
+from batchprompt.engine import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+def test_on_result_in_completion_order_and_on_complete_once(lm, messages):
+    seen, complete = [], []
+    done = threading.Event()
+    batch = lm.create_batch(messages[:10])
+    batch.on_result(lambda i, r: seen.append((i, r)))
+    batch.on_complete(lambda results: (complete.append(results), done.set()))
+    assert batch.progress.done == 0 and batch.progress.eta_s is None
+    results = batch.start().wait()
+    assert done.wait(10)
+    assert sorted(i for i, _ in seen) == list(range(10))
+    assert all(r.index == i for i, r in seen)
+    assert len(complete) == 1 and complete[0] == results
+    p = batch.progress
+    assert (p.done, p.total, p.failed) == (10, 10, 0) and p.eta_s == 0 and p.tokens_per_s > 0
+    assert "10/10 done" in str(p)
+
+
+def test_iteration_as_completed(lm, messages):
+    got = dict(lm.create_batch(messages[:6]))
+    assert sorted(got) == list(range(6))
+    assert [got[i].text for i in range(6)] == [r.text for r in lm.batch_prompt(messages[:6])]
+
+
+def test_cancel_keeps_finished_results_and_stops_the_rest(lm, messages, engine32):
+    prompts = messages * 3  # 72
+    batch = lm.create_batch(prompts, max_tokens=40, temperature=0.0)
+    first = threading.Event()
+    batch.on_result(lambda i, r: first.set())
+    batch.start()
+    assert first.wait(120)
+    batch.cancel()
+    results = batch.wait(timeout=60)
+    finished = [r for r in results if r.ok]
+    cancelled = [r for r in results if r.finish_reason == "cancelled"]
+    assert len(finished) >= 1 and len(cancelled) >= 1
+    assert len(finished) + len(cancelled) == len(prompts)
+    assert all(r.error == "cancelled before it finished" for r in cancelled)
+    batch.wait(errors="raise")  # a cancel is not a failure
+    # nothing leaked: only pinned prefixes hold blocks
+    lm._service.call(lambda: None).result()
+    pinned = {b.block_id for blocks in engine32.kv.pins.values() for b in blocks}
+    assert engine32.pool.num_used == len(pinned)
+    assert not engine32.has_unfinished()
+
+
+def test_cancel_before_start(lm, messages):
+    batch = lm.create_batch(messages[:3])
+    batch.cancel()
+    assert [r.finish_reason for r in batch.wait()] == ["cancelled"] * 3
+
+
+def test_progress_bar(lm, messages, capsys):
+    lm.batch_prompt(messages[:4], progress=True)
+    assert "4/4" in capsys.readouterr().err
+
+
+def test_threads_share_one_engine(lm, messages, engine32):
+    expected = [r.text for r in lm.batch_prompt(messages[:8])]
+    got = [None] * 8
+    barrier = threading.Barrier(8)
+
+    def worker(i):
+        barrier.wait()
+        got[i] = lm.clone().prompt(messages[i]) if i % 2 else lm.prompt(messages[i])
+
+    before = engine32.stats.steps
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == expected
+    # batched together: far fewer steps than 8 prompts one after another would take
+    assert engine32.stats.steps - before < 8 * 7
+
+
+def test_asyncio_callers(lm, messages):
+    expected = [r.text for r in lm.batch_prompt(messages[:6])]
+
+    async def main():
+        singles = await asyncio.gather(*(lm.aprompt(m) for m in messages[:3]))
+        batch = await lm.abatch_prompt(messages[3:6])
+        streamed = {i: r.text async for i, r in lm.create_batch(messages[:6])}
+        return singles, batch, streamed
+
+    singles, batch, streamed = asyncio.run(main())
+    assert singles == expected[:3]
+    assert [r.text for r in batch] == expected[3:6]
+    assert [streamed[i] for i in range(6)] == expected
+
+
+def test_top_level_async(engine32, messages):
+    results = asyncio.run(bp.abatch_prompt(messages[:2], system="Be brief.", model=engine32, max_tokens=3))
+    assert [r.index for r in results] == [0, 1] and all(r.ok for r in results)
+
+
+class _Recorder:
+    """Stands in for the service: records what a batch submits."""
+
+    def __init__(self):
+        self.sources = []
+
+    def submit(self, source):
+        self.sources.append(source)
+
+
+def test_admission_groups_prompts_by_shared_prefix():
+    a, b = [5, 5, 5, 5], [9, 9, 9, 9]
+    prompts = [a + [1], b + [1], a + [2], b + [2], a + [3]]
+    rec = _Recorder()
+    Batch(rec, [Prepared(i, p, SamplingParams()) for i, p in enumerate(prompts)]).start()
+    order = [item.token_ids for item in rec.sources[0].items]
+    assert order == [a + [1], a + [2], a + [3], b + [1], b + [2]]
+
+
+def test_a_large_batch_is_fed_in_a_window(lm, engine32):
+    service = lm._service
+    peak = []
+    batch = lm.create_batch([f"{i}" for i in range(1500)], max_tokens=1)
+    batch.on_result(lambda i, r: peak.append(service.in_flight))
+    results = batch.wait(timeout=600)
+    assert all(r.ok for r in results)
+    assert max(peak) <= service._window() + 1 < 1500

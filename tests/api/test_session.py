@@ -1,0 +1,114 @@
+"""Sessions: results in order, the pinned system prompt, clone, destroy, options, errors."""
+from __future__ import annotations
+
+import pytest
+
+import batchprompt as bp
+
+from ..conftest import SPAM_SYSTEM
+
+pytestmark = pytest.mark.slow
+
+
+def test_results_come_back_in_input_order_with_usage(lm, messages):
+    results = lm.batch_prompt(messages[:8])
+    assert [r.index for r in results] == list(range(8))
+    for r in results:
+        assert r.ok and r.finish_reason in ("stop", "length") and str(r) == r.text
+        assert r.usage.completion_tokens == len(r.token_ids) <= 6
+        # every prompt found the session's system prompt in the cache
+        assert r.usage.cached_tokens >= lm.pinned_tokens > 0
+        assert r.usage.prompt_tokens > r.usage.cached_tokens
+
+
+def test_batch_equals_one_at_a_time_greedy(lm, messages):
+    batched = lm.batch_prompt(messages[:12])
+    alone = [lm.prompt(m) for m in messages[:12]]
+    assert [r.text for r in batched] == alone
+
+
+def test_the_system_prompt_is_pinned_while_the_session_lives(engine32):
+    lm = bp.LanguageModel.create(system=SPAM_SYSTEM + " Be brief.", model=engine32)
+    pins = engine32.kv.pins
+    name = lm._name
+    assert lm.pinned_tokens == len(pins[name]) * engine32.config.block_size
+    assert lm.pinned_tokens >= len(lm.prefix_token_ids) - engine32.config.block_size + 1
+    blocks = [b.block_id for b in pins[name]]
+    assert all(b.ref_count >= 1 for b in pins[name])
+    other = lm.clone()
+    assert [b.block_id for b in pins[other._name]] == blocks  # shared, not recomputed
+    lm.destroy()
+    assert name not in _pins_after_commands(lm, engine32)
+    assert other.prompt("hello", max_tokens=2)  # the clone lives on
+    with pytest.raises(bp.SessionDestroyedError, match="destroyed"):
+        lm.prompt("hello")
+    with pytest.raises(bp.SessionDestroyedError):
+        lm.batch_prompt(["hello"])
+    other.destroy()
+    assert other._name not in _pins_after_commands(other, engine32)
+
+
+def _pins_after_commands(session, engine):
+    session._service.call(lambda: None).result()  # unpin runs on the engine thread
+    return engine.kv.pins
+
+
+def test_initial_prompts_and_message_prompts(engine32):
+    shots = [{"role": "system", "content": SPAM_SYSTEM},
+             {"role": "user", "content": "WIN a free cruise! Text YES now"},
+             {"role": "assistant", "content": "spam"}]
+    with bp.LanguageModel.create(initial_prompts=shots, model=engine32, max_tokens=3) as lm:
+        assert lm.system == SPAM_SYSTEM
+        as_text = lm.prompt("are you coming tonight?")
+        as_messages = lm.prompt([{"role": "user", "content": "are you coming tonight?"}])
+        assert as_text == as_messages
+        with pytest.raises(ValueError, match="already has a system prompt"):
+            lm.prompt([{"role": "system", "content": "x"}, {"role": "user", "content": "y"}])
+    with pytest.raises(ValueError, match="not both"):
+        bp.LanguageModel.create(system="a", initial_prompts=shots, model=engine32)
+
+
+def test_options_per_session_and_per_call(lm, messages):
+    r = lm.batch_prompt(messages[:2], max_tokens=2)
+    assert all(x.usage.completion_tokens <= 2 for x in r)
+    r = lm.batch_prompt(messages[:1], logprobs=True)[0]
+    assert len(r.logprobs) == len(r.token_ids) and all(lp <= 0 for lp in r.logprobs)
+    with pytest.raises(TypeError, match="unknown option.*max_token"):
+        lm.batch_prompt(messages[:1], max_token=3)
+    with pytest.raises(ValueError, match="temperature"):
+        lm.batch_prompt(messages[:1], temperature=-1)
+    with pytest.raises(ValueError, match="errors must be"):
+        lm.batch_prompt(messages[:1], errors="ignore")
+    with pytest.raises(TypeError, match="list of prompts"):
+        lm.batch_prompt("one string")
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(lm, messages):
+    a = lm.batch_prompt(messages[:6], temperature=1.0, seed=7)
+    b = lm.batch_prompt(messages[3:6], temperature=1.0, seed=7)
+    assert [r.text for r in a[3:]] == [r.text for r in b]
+
+
+def test_a_failed_item_does_not_disturb_the_others(lm, messages):
+    too_long = "word " * 9000
+    prompts = [messages[0], [{"role": 1}], messages[1], too_long, messages[2]]
+    results = lm.batch_prompt(prompts)
+    assert [r.ok for r in results] == [True, False, True, False, True]
+    assert "role" in results[1].error and "shorten the prompt" in results[3].error
+    assert results[0].text == lm.prompt(messages[0])
+    with pytest.raises(bp.BatchError, match=r"2 of 5 prompts failed, at indices \[1, 3\]") as info:
+        lm.batch_prompt(prompts, errors="raise")
+    assert [r.ok for r in info.value.results] == [True, False, True, False, True]
+    with pytest.raises(ValueError, match="shorten"):
+        lm.prompt(too_long)
+
+
+def test_top_level_batch_prompt(engine32, messages):
+    results = bp.batch_prompt(messages[:3], system=SPAM_SYSTEM, model=engine32, max_tokens=6)
+    with bp.LanguageModel.create(system=SPAM_SYSTEM, model=engine32, max_tokens=6) as lm:
+        assert [r.text for r in results] == [r.text for r in lm.batch_prompt(messages[:3])]
+
+
+def test_unknown_model_is_a_clear_error():
+    with pytest.raises(bp.ModelNotFoundError, match="unknown model 'no-such-model'"):
+        bp.LanguageModel.create(model="no-such-model")
