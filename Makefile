@@ -26,6 +26,7 @@ demo: install
 
 bench: install
 	$(PY) benchmarks/bench_engine.py
+	$(PY) benchmarks/bench_api.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
