@@ -1,0 +1,103 @@
+"""The `batchprompt` command line."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+EXIT_OK, EXIT_ROWS_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+RUN_HELP = """\
+Run every row of INPUT through the model and write one result per row.
+
+INPUT formats (by extension; '-' reads JSONL from stdin):
+  .jsonl   OpenAI Batch API lines {"custom_id", "method": "POST", "url": "/v1/chat/completions"
+           or "/v1/completions", "body": {...}}, or plain lines {"prompt": ...} / {"messages": [...]}
+           with an optional "id"
+  .csv     with --column naming the prompt column
+  .parquet with --column (needs pyarrow)
+
+OUTPUT: OpenAI batch output lines {"id", "custom_id", "response": {"status_code", "request_id",
+"body"}, "error"}, in input order; '-' writes stdout. Failed rows go to the errors file
+(default OUTPUT.errors.jsonl) with their input line. With CSV/Parquet input, --format table
+writes the input table with "result" and "error" columns.
+
+The job is journaled (OUTPUT.journal, SQLite): after a crash, Ctrl-C or kill -9, run the same
+command again to resume: only unfinished rows run. Exit status: 0 all rows ok, 1 some rows failed,
+2 bad input or options (nothing run), 130 interrupted (resumable).
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="batchprompt", description="Run a language model over many prompts.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a file of prompts (resumable)", description=RUN_HELP,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_argument("input", metavar="INPUT", help="input file, or - for stdin (JSONL)")
+    run.add_argument("-o", "--output", required=True, metavar="OUTPUT", help="output file, or - for stdout")
+    run.add_argument("--model", default=None,
+                     help="a .gguf file, a local Hugging Face directory, a hub id (default: the embedded SmolLM2-135M)")
+    run.add_argument("--system", default=None, help="system prompt for rows that have none")
+    run.add_argument("--max-tokens", type=int, default=256, metavar="N",
+                     help="tokens to generate when a row's body gives no max_tokens (default 256)")
+    run.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                     help="when a row's body gives none (default 0: greedy)")
+    run.add_argument("--seed", type=int, default=None, metavar="N", help="when a row's body gives none")
+    run.add_argument("--errors", default=None, metavar="ERRORS", help="errors file (default OUTPUT.errors.jsonl)")
+    run.add_argument("--column", default=None, metavar="C", help="prompt column of CSV/Parquet input")
+    run.add_argument("--format", default="openai", choices=["openai", "table"],
+                     help="output shape: OpenAI batch lines (default) or the input table plus a result column")
+    run.add_argument("--journal", default=None, help="journal file (default OUTPUT.journal)")
+    run.add_argument("--dry-run", action="store_true",
+                     help="count rows and prompt tokens and estimate the run time from a short calibration")
+    run.add_argument("--restart", action="store_true", help="discard the journal and start over")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--max-num-seqs", type=int, default=None, help="engine: sequences run at once (default 512)")
+    run.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES",
+                     help="engine: KV cache ceiling in bytes (default: a quarter of free memory)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="batchprompt: %(levelname)s: %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return run_command(args)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from .jobs import InputError, JobOptions, JournalMismatch, run_job
+    from .models import ModelNotFoundError
+
+    if args.max_tokens < 1:
+        return _fail(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.temperature < 0:
+        return _fail(f"--temperature must be >= 0, got {args.temperature}")
+    engine_options = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
+                                        ("kv_cache_memory", args.kv_cache_memory)) if v is not None}
+    opts = JobOptions(input=args.input, output=args.output, errors=args.errors, model=args.model,
+                      system=args.system, max_tokens=args.max_tokens, temperature=args.temperature,
+                      seed=args.seed, column=args.column, format=args.format, dry_run=args.dry_run,
+                      restart=args.restart, progress=not args.no_progress, journal=args.journal,
+                      engine_options=engine_options)
+    try:
+        summary = run_job(opts)
+    except (InputError, ModelNotFoundError, JournalMismatch) as e:
+        return _fail(str(e))
+    except KeyboardInterrupt:  # during loading: nothing computed yet
+        print("\ninterrupted before any row ran", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(summary, file=sys.stderr)
+    if summary.interrupted:
+        return EXIT_INTERRUPTED
+    return EXIT_ROWS_FAILED if summary.failed else EXIT_OK
+
+
+def _fail(message: str) -> int:
+    print(f"batchprompt: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

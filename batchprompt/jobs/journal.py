@@ -1,0 +1,82 @@
+"""Journal: every finished row, in SQLite (WAL, synchronous=FULL), so a killed job resumes.
+
+A row is written once, keyed by its input line; a commit makes a group of rows durable. After
+`kill -9`, the rows committed are kept and the others run again: no row is lost and none
+appears twice, because the output files are written from the journal at the end.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+
+class JournalMismatch(Exception):
+    """The journal was started for a different input or different options."""
+
+
+class Journal:
+    def __init__(self, path: str | Path, fingerprint: str, restart: bool = False,
+                 commit_every: int = 64, commit_seconds: float = 0.5):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(str(self.path), isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
+        self.db.execute("CREATE TABLE IF NOT EXISTS rows (line INTEGER PRIMARY KEY, custom_id TEXT, "
+                        "ok INTEGER NOT NULL, record TEXT NOT NULL)")
+        old = self.get("fingerprint")
+        if old is not None and old != fingerprint:
+            if not restart:
+                raise JournalMismatch(
+                    f"the journal {self.path} belongs to a different input or different options "
+                    f"(the input file changed since the job began); run with --restart to start over")
+            self.db.execute("DELETE FROM rows")
+            self.db.execute("DELETE FROM meta")
+        elif restart:
+            self.db.execute("DELETE FROM rows")
+            self.db.execute("DELETE FROM meta")
+        self.set("fingerprint", fingerprint)
+        self.commit_every, self.commit_seconds = commit_every, commit_seconds
+        self._pending: list[tuple[int, str | None, int, str]] = []
+        self._last_commit = time.monotonic()
+
+    def get(self, key: str) -> str | None:
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def set(self, key: str, value: str) -> None:
+        self.db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+
+    def done_lines(self) -> set[int]:
+        return {r[0] for r in self.db.execute("SELECT line FROM rows")}
+
+    def record(self, line: int, custom_id: str | None, ok: bool, record: dict[str, Any]) -> None:
+        self._pending.append((line, custom_id, int(ok), json.dumps(record, ensure_ascii=False)))
+        if (len(self._pending) >= self.commit_every
+                or time.monotonic() - self._last_commit >= self.commit_seconds):
+            self.flush()
+
+    def flush(self) -> None:
+        if self._pending:
+            self.db.execute("BEGIN IMMEDIATE")
+            self.db.executemany("INSERT OR IGNORE INTO rows VALUES (?, ?, ?, ?)", self._pending)
+            self.db.execute("COMMIT")
+            self._pending.clear()
+        self._last_commit = time.monotonic()
+
+    def records(self) -> Iterator[tuple[int, bool, str]]:
+        """(line, ok, JSON record) in input order."""
+        for line, ok, record in self.db.execute("SELECT line, ok, record FROM rows ORDER BY line"):
+            yield line, bool(ok), record
+
+    def counts(self) -> tuple[int, int]:
+        ok, total = self.db.execute("SELECT COALESCE(SUM(ok), 0), COUNT(*) FROM rows").fetchone()
+        return int(ok), int(total)
+
+    def close(self) -> None:
+        self.flush()
+        self.db.close()

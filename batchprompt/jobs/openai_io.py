@@ -1,0 +1,73 @@
+"""OpenAI Batch API output: `chat.completion` / `text_completion` bodies, output and error lines."""
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any, Callable, Sequence
+
+from ..api.result import Result
+from .rows import CHAT, Row, RowError
+
+FINISH = {"stop": "stop", "length": "length"}
+
+
+def _id(prefix: str, *parts: object) -> str:
+    return prefix + hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:24]
+
+
+def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
+                  token_text: Callable[[int], str]) -> dict[str, Any]:
+    """The body OpenAI would return for this row (one Result per choice, n of them)."""
+    prompt_tokens = choices[0].usage.prompt_tokens
+    completion = sum(r.usage.completion_tokens for r in choices)
+    cached = choices[0].usage.cached_tokens
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+             "total_tokens": prompt_tokens + completion,
+             "prompt_tokens_details": {"cached_tokens": cached}}
+    rid = _id("chatcmpl-" if row.url == CHAT else "cmpl-", row.custom_id, row.line)
+    if row.url == CHAT:
+        out = []
+        for i, r in enumerate(choices):
+            choice = {"index": i, "message": {"role": "assistant", "content": r.text, "refusal": None},
+                      "finish_reason": FINISH.get(r.finish_reason, "stop"), "logprobs": None}
+            if r.logprobs is not None:
+                choice["logprobs"] = {"content": [
+                    {"token": (t := token_text(tid)), "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                    for tid, lp in zip(r.token_ids, r.logprobs)], "refusal": None}
+            out.append(choice)
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                "choices": out, "usage": usage, "system_fingerprint": None}
+    out = []
+    for i, r in enumerate(choices):
+        choice = {"index": i, "text": r.text, "finish_reason": FINISH.get(r.finish_reason, "stop"), "logprobs": None}
+        if r.logprobs is not None:
+            tokens = [token_text(t) for t in r.token_ids]
+            offsets, pos = [], 0
+            for t in tokens:
+                offsets.append(pos)
+                pos += len(t)
+            choice["logprobs"] = {"tokens": tokens, "token_logprobs": list(r.logprobs),
+                                  "top_logprobs": None, "text_offset": offsets}
+        out.append(choice)
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": out, "usage": usage}
+
+
+def output_line(row: Row, body: dict[str, Any]) -> dict[str, Any]:
+    return {"id": _id("batch_req_", row.custom_id, row.line), "custom_id": row.custom_id,
+            "response": {"status_code": 200, "request_id": _id("req_", row.custom_id, row.line), "body": body},
+            "error": None}
+
+
+def error_line(line: int, custom_id: str | None, code: str, message: str) -> dict[str, Any]:
+    """A failed row, in the shape of OpenAI's batch error file, plus the input line number."""
+    return {"id": _id("batch_req_", custom_id, line), "custom_id": custom_id, "response": None,
+            "error": {"code": code, "message": message, "line": line}}
+
+
+def row_error_line(err: RowError) -> dict[str, Any]:
+    return error_line(err.line, err.custom_id, err.code, err.message)
+
+
+def now() -> int:
+    return int(time.time())

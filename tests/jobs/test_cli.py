@@ -1,0 +1,225 @@
+"""`batchprompt run` end to end: OpenAI shapes, bad rows, resume after SIGKILL and Ctrl-C."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+
+from batchprompt.cli import main
+from batchprompt.jobs import JobOptions, run_job
+
+from ..conftest import SPAM_SYSTEM, sms_rows
+
+CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
+
+
+def chat_line(i: int, text: str, **body) -> str:
+    return json.dumps({"custom_id": f"sms-{i}", "method": "POST", "url": CHAT, "body": {
+        "model": "any", "messages": [{"role": "system", "content": SPAM_SYSTEM}, {"role": "user", "content": text}],
+        "max_tokens": 6, **body}})
+
+
+def write_sms_batch(path: Path, n: int) -> list[str]:
+    rows = sms_rows(n)
+    path.write_text("".join(chat_line(i, t) + "\n" for i, (_, t) in enumerate(rows)))
+    return [f"sms-{i}" for i in range(n)]
+
+
+def parse_outputs(path: Path) -> list[dict]:
+    out = [json.loads(line) for line in path.read_text().splitlines()]
+    for o in out:
+        assert o["error"] is None and o["response"]["status_code"] == 200
+        body = o["response"]["body"]
+        (ChatCompletion if body["object"] == "chat.completion" else Completion).model_validate(body)
+    return out
+
+
+# ---- bad input: one clear error before any work --------------------------------------------------
+def test_missing_input_unwritable_output_unknown_model(tmp_path, capsys):
+    assert main(["run", str(tmp_path / "nope.jsonl"), "-o", str(tmp_path / "o.jsonl")]) == 2
+    assert "nope.jsonl: no such input file" in capsys.readouterr().err
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "hi"}\n')
+    assert main(["run", str(inp), "-o", str(tmp_path / "no" / "dir" / "o.jsonl")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["run", str(inp), "-o", str(tmp_path / "o.jsonl"), "--model", "no-such-model"]) == 2
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err
+    assert main(["run", str(inp), "-o", str(tmp_path / "o.jsonl"), "--max-tokens", "0"]) == 2
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_help_explains_formats_and_resuming(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = capsys.readouterr().out
+    assert "custom_id" in text and "--column" in text and "resume" in text.lower() and "--dry-run" in text
+
+
+# ---- in-process runs on the embedded model -------------------------------------------------------
+pytestmark_slow = pytest.mark.slow
+
+
+@pytest.mark.slow
+def test_mixed_file_gives_openai_bodies_and_an_errors_file(tmp_path):
+    rows = sms_rows(6)
+    lines = [chat_line(0, rows[0][1]),
+             "{broken",
+             json.dumps({"custom_id": "c", "method": "POST", "url": COMPLETION,
+                         "body": {"prompt": "SMS: hello\nLabel:", "max_tokens": 3, "logprobs": 1}}),
+             chat_line(3, rows[3][1], logprobs=True),
+             chat_line(4, rows[4][1], n=2, temperature=0.8, seed=5),
+             json.dumps({"custom_id": "long", "method": "POST", "url": CHAT,
+                         "body": {"messages": [{"role": "user", "content": "x " * 9000}]}}),
+             json.dumps({"prompt": rows[5][1], "id": "plain"})]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    s = run_job(JobOptions(str(inp), str(out), system=SPAM_SYSTEM, max_tokens=4, progress=False))
+    assert (s.rows, s.ok, s.failed) == (7, 5, 2)
+    got = parse_outputs(out)
+    assert [o["custom_id"] for o in got] == ["sms-0", "c", "sms-3", "sms-4", "plain"]
+    by_id = {o["custom_id"]: o["response"]["body"] for o in got}
+    assert by_id["c"]["object"] == "text_completion" and len(by_id["c"]["choices"][0]["logprobs"]["tokens"]) == \
+        by_id["c"]["usage"]["completion_tokens"]
+    assert by_id["sms-3"]["choices"][0]["logprobs"]["content"]
+    assert len(by_id["sms-4"]["choices"]) == 2
+    assert by_id["sms-0"]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+    errs = [json.loads(x) for x in Path(str(out) + ".errors.jsonl").read_text().splitlines()]
+    assert [(e["error"]["line"], e["error"]["code"]) for e in errs] == [(2, "invalid_json"),
+                                                                        (6, "context_length_exceeded")]
+    # a job already complete does nothing
+    s2 = run_job(JobOptions(str(inp), str(out), system=SPAM_SYSTEM, max_tokens=4, progress=False))
+    assert s2.already_complete and s2.ok == 5
+    # a changed input is refused, unless --restart
+    inp.write_text("\n".join(lines[:3]) + "\n")
+    assert main(["run", str(inp), "-o", str(out), "--system", SPAM_SYSTEM, "--max-tokens", "4"]) == 2
+    assert main(["run", str(inp), "-o", str(out), "--system", SPAM_SYSTEM, "--max-tokens", "4",
+                 "--restart", "--no-progress"]) == 1  # one row (the broken line) fails
+    assert len(out.read_text().splitlines()) == 2
+
+
+@pytest.mark.slow
+def test_identical_greedy_bodies_run_once(tmp_path):
+    from batchprompt.api.service import get_service
+
+    text = sms_rows(1)[0][1]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(chat_line(i, text) + "\n" for i in range(8)) +
+                   "".join(chat_line(10 + i, text, temperature=1.0) + "\n" for i in range(2)))
+    engine = get_service(None).engine
+    before = engine.stats.finished
+    s = run_job(JobOptions(str(inp), str(tmp_path / "o.jsonl"), progress=False))
+    assert s.ok == 10
+    assert engine.stats.finished - before == 1 + 2  # 8 identical greedy rows once; sampled rows each
+    texts = {o["response"]["body"]["choices"][0]["message"]["content"] for o in parse_outputs(tmp_path / "o.jsonl")[:8]}
+    assert len(texts) == 1
+
+
+@pytest.mark.slow
+def test_csv_and_parquet_tables(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = sms_rows(4)
+    table = pa.table({"label": [r[0] for r in rows], "text": [r[1] for r in rows]})
+    pq.write_table(table, tmp_path / "in.parquet")
+    out = tmp_path / "out.parquet"
+    assert main(["run", str(tmp_path / "in.parquet"), "-o", str(out), "--column", "text", "--format", "table",
+                 "--system", SPAM_SYSTEM, "--max-tokens", "4", "--no-progress"]) == 0
+    result = pq.read_table(out)
+    assert result.column_names == ["label", "text", "result", "error"]
+    assert all(isinstance(x, str) for x in result.column("result").to_pylist())
+    csv_in = tmp_path / "in.csv"
+    csv_in.write_text("id,text\n1,Win a prize now\n2,\n")
+    assert main(["run", str(csv_in), "-o", str(tmp_path / "o.jsonl"), "--column", "text",
+                 "--max-tokens", "3", "--no-progress"]) == 1
+    assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_dry_run_counts_and_estimates_without_running(tmp_path, capsys):
+    inp = tmp_path / "in.jsonl"
+    write_sms_batch(inp, 40)
+    assert main(["run", str(inp), "-o", str(tmp_path / "o.jsonl"), "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    assert "dry run: 40 rows" in err and "prompt tokens" in err and "estimated run time" in err
+    assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "o.jsonl.journal").exists()
+
+
+# ---- crashes: a real SIGKILL, and Ctrl-C ---------------------------------------------------------
+def _start(inp: Path, out: Path) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, "-m", "batchprompt", "run", str(inp), "-o", str(out), "--no-progress"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _journaled(out: Path) -> int:
+    path = Path(str(out) + ".journal")
+    if not path.exists():
+        return 0
+    try:
+        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+            return db.execute("SELECT COUNT(*) FROM rows").fetchone()[0]
+    except sqlite3.Error:
+        return 0
+
+
+def _wait_for_rows(proc, out: Path, n: int, timeout: float = 300) -> int:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout and proc.poll() is None:
+        k = _journaled(out)
+        if k >= n:
+            return k
+        time.sleep(0.05)
+    raise AssertionError(f"the job did not journal {n} rows in time (rc={proc.poll()})")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at", ["loading", "mid-run"])
+def test_resume_after_sigkill_gives_each_row_once(tmp_path, kill_at):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    ids = write_sms_batch(inp, 160)
+    proc = _start(inp, out)
+    if kill_at == "loading":
+        time.sleep(2.0)
+    else:
+        _wait_for_rows(proc, out, 20)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    kept = _journaled(out)
+    assert kill_at == "loading" or 20 <= kept < 160
+    proc = _start(inp, out)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    if kept:
+        assert f"resuming: {kept} of 160 rows" in err
+    got = parse_outputs(out)
+    assert [o["custom_id"] for o in got] == ids  # every row once, in input order
+    assert out.with_name("out.jsonl.errors.jsonl").read_text() == ""
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    ids = write_sms_batch(inp, 160)
+    proc = _start(inp, out)
+    _wait_for_rows(proc, out, 10)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Run the same command again to resume" in err
+    kept = _journaled(out)
+    assert kept >= 10 and not out.exists()
+    proc = _start(inp, out)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    assert [o["custom_id"] for o in parse_outputs(out)] == ids
