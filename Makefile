@@ -27,6 +27,7 @@ demo: install
 bench: install
 	$(PY) benchmarks/bench_engine.py
 	$(PY) benchmarks/bench_api.py
+	$(PY) benchmarks/bench_jobs.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
