@@ -62,6 +62,9 @@ class JobSummary:
         if self.estimate_seconds is not None:
             return (f"dry run: {self.rows} rows ({self.failed} unreadable), {self.prompt_tokens:,} prompt "
                     f"tokens; estimated run time {_duration(self.estimate_seconds)}")
+        if self.already_complete:
+            return (f"{self.rows} rows: {self.ok} ok, {self.failed} failed, all from an earlier run; "
+                    f"{self.prompt_tokens:,} prompt and {self.completion_tokens:,} generated tokens")
         rate = self.completion_tokens / self.seconds if self.seconds else 0.0
         return (f"{self.rows} rows: {self.ok} ok, {self.failed} failed"
                 f"{f' ({self.resumed} from an earlier run)' if self.resumed else ''}; "
@@ -177,8 +180,12 @@ class JobRun:
             summary.ok, _ = journal.counts()
             summary.failed = summary.rows - summary.ok
             summary.already_complete = True
-            self.say(f"already complete: {summary.rows} rows in {opts.output} (journal {journal.path}); "
-                     f"nothing to do (use --restart to run it again)")
+            summary.prompt_tokens, summary.completion_tokens = self._token_counts(journal)
+            where = "written again to stdout from the journal" if opts.output == "-" else f"in {opts.output}"
+            self.say(f"already complete: {summary.rows} rows {where} (journal {journal.path}); nothing "
+                     f"to run (use --restart to run it again)")
+            if opts.output == "-":
+                self._write_outputs(table, journal, errors_path)
             return summary
         if done:
             self.say(f"resuming: {len(done)} of {len(table.rows)} rows are already done (journal {journal.path})")

@@ -223,3 +223,18 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tmp_path):
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err
     assert [o["custom_id"] for o in parse_outputs(out)] == ids
+
+
+@pytest.mark.slow
+def test_stdin_to_stdout(tmp_path):
+    rows = sms_rows(3)
+    data = "".join(json.dumps({"prompt": t, "id": f"p{i}"}) + "\n" for i, (_, t) in enumerate(rows))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "BATCHPROMPT_CACHE": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "batchprompt", "run", "-", "-o", "-", "--max-tokens", "4", "--no-progress"]
+    first = subprocess.run(cmd, input=data, capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 0, first.stderr
+    lines = first.stdout.splitlines()
+    assert [json.loads(x)["custom_id"] for x in lines] == ["p0", "p1", "p2"]
+    again = subprocess.run(cmd, input=data, capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode == 0 and again.stdout == first.stdout  # from the journal, nothing rerun
+    assert "already complete" in again.stderr
