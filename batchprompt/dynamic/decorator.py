@@ -1,0 +1,134 @@
+"""`dynamically`: turn a function over a list of items into one called item by item.
+
+    @bp.dynamically(batch_size=64, timeout_ms=5.0, small_batch_threshold=8)
+    def embed(texts: list[str]) -> list[np.ndarray]: ...
+
+    embed("one text")                          # one item in, one result out
+    embed.many(["a", "b", "c"])                # several
+    await embed.acall("one text"); await embed.amany([...])
+    embed.stats
+
+Works on plain and async functions and on methods (one processor per instance).
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+from asyncio import get_running_loop as _running_loop
+from typing import Any, Callable, Sequence
+
+from .processor import BatchProcessor, QueueFull, _Failure
+from .stats import BatchStats
+from .tensors import TensorBatcher
+
+
+class DynamicFunction:
+    """A batched function: call it with one item (or `.many` with several), from any thread or
+    coroutine. Per call: `priority` (higher goes first) and `timeout` (seconds; the item then
+    fails with DeadlineExceeded)."""
+
+    def __init__(self, fn: Callable, options: dict[str, Any]):
+        self._fn = fn
+        self._options = options
+        self._processor: BatchProcessor | None = None
+        functools.update_wrapper(self, fn)
+
+    @property
+    def processor(self) -> BatchProcessor:
+        if self._processor is None:
+            self._processor = _make_processor(self._fn, self._options)
+        return self._processor
+
+    def __call__(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
+        return self.many([item], priority=priority, timeout=timeout)[0]
+
+    def many(self, items: Sequence, *, priority: int = 0, timeout: float | None = None) -> list:
+        p = self.processor
+        return p.wait(p.submit(items, priority, timeout), timeout)
+
+    async def acall(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
+        p = self._processor or self.processor
+        if priority or timeout is not None or p.max_queue is not None:
+            return (await self.amany((item,), priority=priority, timeout=timeout))[0]
+        # The common path, kept short: join this loop turn's group, await its one future.
+        loop = _running_loop()
+        buf = p._buffers.get(loop)
+        if buf is None:
+            buf = p.open_buffer(loop)
+        items = buf.items
+        pos = len(items)
+        items.append(item)
+        group = buf.group
+        if pos + 1 >= p.batch_size:
+            p.flush_buffer(buf, False)
+        r = (await group.future)[pos]
+        if type(r) is _Failure:
+            raise r.error
+        if isinstance(r, BaseException):
+            raise r
+        return r
+
+    async def amany(self, items: Sequence, *, priority: int = 0, timeout: float | None = None) -> list:
+        p = self.processor
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                group, start, stop = p.submit_async(list(items), loop, priority, timeout)
+                break
+            except QueueFull:
+                if not p.block_when_full:
+                    raise
+                await asyncio.sleep(p.timeout or 0.001)  # never block the event loop on a lock
+        return await p.await_group(group, start, stop, timeout)
+
+    @property
+    def stats(self) -> BatchStats:
+        return self.processor.stats
+
+    def __get__(self, instance, owner=None):
+        """On a method: one processor per instance, bound to it."""
+        if instance is None:
+            return self
+        key = f"__dynamically_{self._fn.__name__}"
+        bound = instance.__dict__.get(key)
+        if bound is None:
+            bound = DynamicFunction(self._fn.__get__(instance, owner), self._options)
+            instance.__dict__[key] = bound
+        return bound
+
+
+def _make_processor(fn: Callable, options: dict[str, Any]) -> BatchProcessor:
+    opts = dict(options)
+    pad_token = opts.pop("pad_token", None)
+    tensors = opts.pop("tensors", False) or pad_token is not None
+    if tensors:
+        fn = TensorBatcher(fn, pad_token or {})
+    return BatchProcessor(fn, **opts)
+
+
+def dynamically(fn: Callable | None = None, /, *, batch_size: int = 32, timeout_ms: float = 5.0,
+                small_batch_threshold: int = 8, max_queue: int | None = None, block_when_full: bool = False,
+                cost: Callable[[Any], float] | None = None, max_batch_cost: float | None = None,
+                split_on_error: bool = True, tensors: bool = False, pad_token: dict | None = None):
+    """Batch calls to `fn(items) -> results` across callers.
+
+    A batch closes at `batch_size` items (or `max_batch_cost`, summing `cost(item)`), or
+    `timeout_ms` after its first item arrived. Calls with at most `small_batch_threshold`
+    items go ahead of larger `many` calls of the same priority. `max_queue` bounds the queue:
+    beyond it a call raises QueueFull, or waits with `block_when_full=True`. If `fn` raises,
+    the batch is split and retried to find the items that cause it (`split_on_error`); `fn`
+    may also put an exception in an item's slot. `tensors=True` or `pad_token={...}`: items are
+    dicts of 1-D arrays/tensors, padded and stacked per key for `fn`, whose outputs are split
+    back per item.
+    """
+    options = dict(batch_size=batch_size, timeout_ms=timeout_ms, small_batch_threshold=small_batch_threshold,
+                   max_queue=max_queue, block_when_full=block_when_full, cost=cost,
+                   max_batch_cost=max_batch_cost, split_on_error=split_on_error, tensors=tensors,
+                   pad_token=pad_token)
+    BatchProcessor(lambda items: items, **{k: v for k, v in options.items()
+                                           if k not in ("tensors", "pad_token")})  # validate now
+
+    def wrap(f: Callable) -> DynamicFunction:
+        return DynamicFunction(f, options)
+
+    return wrap(fn) if fn is not None else wrap

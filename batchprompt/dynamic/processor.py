@@ -1,0 +1,439 @@
+"""BatchProcessor: items from any number of callers, grouped into batches on one worker thread.
+
+One implementation serves threads and asyncio alike. A call puts its items in a priority queue
+and waits: a thread on a lock, a coroutine on a future of its own loop. The worker takes a
+batch when `batch_size` items (or `max_batch_cost`) are queued, or `timeout_ms` after the first
+of them arrived; it runs the function and hands each caller its results. Results for asyncio
+callers are handed over once per loop per batch, not once per item.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import bisect
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Sequence
+
+from .stats import BatchStats, StatsRecorder
+
+_new_lock = threading.Lock
+
+
+class QueueFull(Exception):
+    """The batcher's queue holds `max_queue` items; retry later, or pass block_when_full=True."""
+
+
+class DeadlineExceeded(TimeoutError):
+    """The item's deadline passed before its result was ready."""
+
+
+class BatchSizeMismatch(ValueError):
+    """The function returned a different number of results than it was given items."""
+
+
+class _Failure:
+    """An item's error, in its result slot."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class _Group:
+    """Slots whose results are handed over together: one thread call, or the items that
+    asyncio callers on one loop submitted in the same turn of the loop (they share one future,
+    so resolving a batch costs one wake-up per loop, not one per item)."""
+
+    __slots__ = ("results", "remaining", "lock", "loop", "future", "next", "timed")
+
+    def __init__(self, n: int, loop: asyncio.AbstractEventLoop | None):
+        self.results: list[Any] = [None] * n
+        self.remaining = n
+        self.loop = loop
+        self.next: _Group | None = None  # thread callers wake each other in a chain
+        self.timed = False  # its caller waits with a timeout (and may leave): not in a chain
+        if loop is None:
+            self.lock = _new_lock()
+            self.lock.acquire()
+            self.future = None
+        else:
+            self.lock = None
+            self.future = loop.create_future()
+
+
+# A queued item is a plain tuple (cheaper than an object, and items come by the thousand):
+# (item, group, position in the group's results, cost, deadline or None, time queued)
+_Slot = tuple
+ITEM, GROUP, POS, COST, DEADLINE, QUEUED = range(6)
+
+
+def _resolve(groups: list[_Group]) -> None:
+    """On a caller's event loop: wake the callers of groups that finished."""
+    for group in groups:
+        if not group.future.done():
+            group.future.set_result(group.results)
+
+
+def unwrap(results: list, start: int = 0, stop: int | None = None) -> list:
+    """A caller's results; raises the first error among its items."""
+    out = results[start:stop]
+    for r in out:
+        if type(r) is _Failure:
+            raise r.error
+        if isinstance(r, BaseException):
+            raise r
+    return out
+
+
+class _LoopBuffer:
+    """Items from one event loop, gathered during one turn of the loop and queued together."""
+
+    __slots__ = ("items", "meta", "flags", "group", "loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.items: list = []
+        self.meta: list[tuple[int, int, int, float | None]] = []  # (start, count, priority, deadline)
+        self.flags = False  # some call had a priority, a deadline or several items
+        self.group: _Group | None = None
+
+
+class BatchProcessor:
+    def __init__(self, fn: Callable[[list], Sequence | Any], *, batch_size: int = 32, timeout_ms: float = 5.0,
+                 small_batch_threshold: int = 8, max_queue: int | None = None, block_when_full: bool = False,
+                 cost: Callable[[Any], float] | None = None, max_batch_cost: float | None = None,
+                 split_on_error: bool = True, name: str | None = None):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if timeout_ms < 0:
+            raise ValueError(f"timeout_ms must be >= 0, got {timeout_ms}")
+        if (cost is None) != (max_batch_cost is None):
+            raise ValueError("give cost= and max_batch_cost= together")
+        if max_queue is not None and max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.fn = fn
+        self.batch_size, self.timeout = batch_size, timeout_ms / 1000
+        self.small_batch_threshold = small_batch_threshold
+        self.max_queue, self.block_when_full = max_queue, block_when_full
+        self.cost, self.max_batch_cost = cost, max_batch_cost
+        self.split_on_error = split_on_error
+        self.name = name or getattr(fn, "__qualname__", "function")
+        lock = _new_lock()
+        self._cond = threading.Condition(lock)  # the worker waits here for items
+        self._room = threading.Condition(lock)  # callers wait here for queue room (block_when_full)
+        # FIFO queues by (-priority, small-call rank): pushes and pops of many items stay in C
+        self._queues: dict[tuple[int, int], deque[_Slot]] = {}
+        self._keys: list[tuple[int, int]] = []  # sorted, the first is served first
+        self._size = 0
+        self._with_deadline = 0  # queued items that have a deadline
+        self._queued_cost = 0.0
+        self._first_arrival = 0.0
+        self._stats = StatsRecorder()
+        self._worker: threading.Thread | None = None
+        self._buffers: dict[asyncio.AbstractEventLoop, _LoopBuffer] = {}
+        self._batch_has_deadlines = False
+        self._idle = False  # the worker waits for a first item (and must be woken for it)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the worker's own, for async functions
+
+    # ---- callers -------------------------------------------------------------------------
+    def submit(self, items: Sequence, priority: int = 0, timeout: float | None = None) -> _Group:
+        """From a thread: queue `items` as one group; `wait` on it."""
+        n = len(items)
+        group = _Group(n, None)
+        group.timed = timeout is not None
+        if n == 0:
+            group.lock.release()
+            return group
+        now = time.monotonic()
+        deadline = now + timeout if timeout is not None else None
+        small = 0 if n <= self.small_batch_threshold else 1
+        self._push([(item, group, pos, self.cost(item) if self.cost else 1, deadline, now)
+                    for pos, item in enumerate(items)], [priority] * n if priority else None, small)
+        return group
+
+    def submit_async(self, items: Sequence, loop: asyncio.AbstractEventLoop, priority: int = 0,
+                     timeout: float | None = None) -> tuple[_Group, int, int]:
+        """From a coroutine on `loop`: add `items` to the loop's current group, which is queued
+        at the end of this turn of the loop (or at once when it holds a batch). Await the
+        group's future, then take results [start:stop]."""
+        buf = self._buffers.get(loop)
+        if buf is None:
+            buf = self.open_buffer(loop)
+        if self.max_queue is not None:
+            n = len(items) + len(buf.items)
+            if n > self.max_queue or self._size + n > self.max_queue:
+                raise QueueFull(f"{self.name}: the queue holds max_queue={self.max_queue} items; retry "
+                                f"later, or create the batcher with block_when_full=True")
+        group = buf.group
+        start = len(buf.items)
+        buf.items.extend(items)
+        if priority or timeout is not None:
+            buf.flags = True
+            buf.meta.append((start, len(items), priority, None if timeout is None else time.monotonic() + timeout))
+        if len(buf.items) >= self.batch_size:
+            self.flush_buffer(buf, False)
+        return group, start, start + len(items)
+
+    def open_buffer(self, loop: asyncio.AbstractEventLoop) -> _LoopBuffer:
+        """The loop's buffer for this turn; it is queued when the turn ends."""
+        buf = self._buffers[loop] = _LoopBuffer(loop)
+        buf.group = _Group(0, loop)
+        loop.call_soon(self.flush_buffer, buf, True)
+        return buf
+
+    def flush_buffer(self, buf: _LoopBuffer, from_loop: bool) -> None:
+        if from_loop:  # the end of the loop's turn: forget the buffer (no closed loop is kept)
+            if self._buffers.get(buf.loop) is buf:
+                del self._buffers[buf.loop]
+        items = buf.items
+        if not items:
+            return
+        group, meta = buf.group, buf.meta
+        buf.items, buf.meta = [], []
+        buf.group = None if from_loop else _Group(0, buf.loop)
+        n = len(items)
+        group.results = [None] * n
+        group.remaining = n
+        now = time.monotonic()
+        cost = self.cost
+        if not buf.flags:  # the common case: single items, no priority, no deadline
+            if cost is None:
+                slots = [(item, group, pos, 1, None, now) for pos, item in enumerate(items)]
+            else:
+                slots = [(item, group, pos, cost(item), None, now) for pos, item in enumerate(items)]
+            self._push(slots, None, 0)
+            return
+        buf.flags = False
+        prios, deadlines = [0] * n, [None] * n
+        for start, k, priority, deadline in meta:
+            prios[start:start + k] = [priority] * k
+            deadlines[start:start + k] = [deadline] * k
+        slots = [(item, group, pos, cost(item) if cost else 1, deadlines[pos], now)
+                 for pos, item in enumerate(items)]
+        self._push(slots, prios, 0)
+
+    def _push(self, slots: list[_Slot], priorities: list[int] | None, small: int) -> None:
+        now = time.monotonic()
+        with self._cond:
+            if self.max_queue is not None and slots[0][GROUP].loop is None:
+                self._wait_for_room(len(slots))
+            was_empty = not self._size
+            if priorities is None:
+                self._queue((0, small)).extend(slots)
+            else:
+                for slot, priority in zip(slots, priorities):
+                    self._queue((-priority, small)).append(slot)
+            self._size += len(slots)
+            if slots[0][DEADLINE] is not None or priorities is not None:
+                self._with_deadline += sum(s[DEADLINE] is not None for s in slots)
+            if self.cost is not None:
+                self._queued_cost += sum(s[COST] for s in slots)
+            if was_empty:
+                self._first_arrival = now
+            if self._worker is None:
+                self._start_worker()
+            if (was_empty and self._idle) or self._size >= self.batch_size or (
+                    self.max_batch_cost is not None and self._queued_cost >= self.max_batch_cost):
+                self._cond.notify()
+
+    def _queue(self, key: tuple[int, int]) -> deque:
+        q = self._queues.get(key)
+        if q is None:
+            q = self._queues[key] = deque()
+            bisect.insort(self._keys, key)
+        return q
+
+    def _wait_for_room(self, n: int) -> None:
+        if n > self.max_queue:
+            raise QueueFull(f"{self.name}: {n} items exceed max_queue={self.max_queue}")
+        while self._size + n > self.max_queue:
+            if not self.block_when_full:
+                raise QueueFull(f"{self.name}: the queue holds max_queue={self.max_queue} items; retry "
+                                f"later, or create the batcher with block_when_full=True")
+            self._room.wait()
+
+    def wait(self, group: _Group, timeout: float | None) -> list:
+        if timeout is None:
+            group.lock.acquire()
+            if group.next is not None:  # pass the wake-up on
+                group.next.lock.release()
+        elif not group.lock.acquire(timeout=max(timeout, 0)):
+            raise DeadlineExceeded(f"{self.name}: no result within the {timeout}s deadline")
+        return unwrap(group.results)
+
+    async def await_group(self, group: _Group, start: int, stop: int, timeout: float | None) -> list:
+        if timeout is None:
+            results = await group.future
+        else:
+            try:
+                results = await asyncio.wait_for(asyncio.shield(group.future), timeout)
+            except asyncio.TimeoutError:
+                raise DeadlineExceeded(f"{self.name}: no result within the {timeout}s deadline") from None
+        return unwrap(results, start, stop)
+
+    @property
+    def stats(self) -> BatchStats:
+        return self._stats.snapshot(self._size)
+
+    # ---- the worker ----------------------------------------------------------------------
+    def _start_worker(self) -> None:
+        self._worker = threading.Thread(target=self._run, name=f"dynamically-{self.name}", daemon=True)
+        self._worker.start()
+
+    def _take(self) -> list[_Slot]:
+        with self._cond:
+            while True:
+                if not self._size:
+                    # Expect more soon: wait one timeout without asking callers to wake us for
+                    # their first item (a wake-up then only costs a GIL hand-off); then idle.
+                    self._cond.wait(self.timeout)
+                    while not self._size:
+                        self._idle = True
+                        self._cond.wait()
+                        self._idle = False
+                full = self._size >= self.batch_size or (
+                    self.max_batch_cost is not None and self._queued_cost >= self.max_batch_cost)
+                left = self._first_arrival + self.timeout - time.monotonic()
+                if full or left <= 0:
+                    break
+                self._cond.wait(left)
+            batch: list[_Slot] = []
+            for key in list(self._keys):
+                q = self._queues[key]
+                room = self.batch_size - len(batch)
+                if self.max_batch_cost is None:
+                    if len(q) <= room:
+                        batch.extend(q)
+                        q.clear()
+                    else:
+                        batch.extend(q.popleft() for _ in range(room))
+                else:
+                    cost = sum(s[COST] for s in batch)
+                    while q and len(batch) < self.batch_size and not (
+                            batch and cost + q[0][COST] > self.max_batch_cost):
+                        cost += q[0][COST]
+                        batch.append(q.popleft())
+                if not q:
+                    del self._queues[key]
+                    self._keys.remove(key)
+                if len(batch) >= self.batch_size or (q and self.max_batch_cost is not None):
+                    break
+            self._size -= len(batch)
+            if self._with_deadline:
+                self._with_deadline -= sum(s[DEADLINE] is not None for s in batch)
+                self._batch_has_deadlines = True
+            else:
+                self._batch_has_deadlines = False
+            if self.cost is not None:
+                self._queued_cost -= sum(s[COST] for s in batch)
+            self._first_arrival = time.monotonic()
+            if self.max_queue is not None:
+                self._room.notify_all()
+            return batch
+
+    def _run(self) -> None:
+        while True:
+            batch = self._take()
+            now = time.monotonic()
+            finished: list[_Group] = []
+            live = batch
+            if self._batch_has_deadlines:
+                live = []
+                for slot in batch:
+                    if slot[DEADLINE] is not None and slot[DEADLINE] < now:
+                        self._set(slot, _Failure(DeadlineExceeded(
+                            f"{self.name}: the deadline passed while the item was queued")), finished)
+                    else:
+                        live.append(slot)
+            if live:
+                self._stats.batch(len(live), len(live) * now - sum(s[QUEUED] for s in live))
+                self._process(live, finished)
+            self._hand_over(finished)
+
+    def _call_fn(self, items: list) -> Sequence:
+        out = self.fn(items)
+        if inspect.isawaitable(out):  # an async function: run it on the worker's own loop
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+            out = self._loop.run_until_complete(out)
+        if not hasattr(out, "__len__") or not hasattr(out, "__getitem__") or isinstance(out, (str, bytes, dict)):
+            raise BatchSizeMismatch(f"{self.name} returned {type(out).__name__}, not a list of {len(items)} results")
+        if len(out) != len(items):
+            raise BatchSizeMismatch(f"{self.name} returned {len(out)} results for a batch of {len(items)} items")
+        return out
+
+    def _process(self, slots: list[_Slot], finished: list[_Group]) -> None:
+        try:
+            out = self._call_fn([s[ITEM] for s in slots])
+        except BatchSizeMismatch as e:  # the whole batch's callers get this error
+            for s in slots:
+                self._set(s, _Failure(e), finished)
+            return
+        except Exception as e:  # noqa: BLE001
+            if self.split_on_error and len(slots) > 1:  # isolate the culprit: bisect and retry
+                mid = len(slots) // 2
+                self._process(slots[:mid], finished)
+                self._process(slots[mid:], finished)
+            else:
+                for s in slots:
+                    self._set(s, _Failure(e), finished)
+            return
+        end = time.monotonic()
+        lat = self._stats.latencies
+        n = len(slots)
+        first, last = slots[0], slots[-1]
+        group = first[GROUP]
+        if (last[GROUP] is group and group.remaining == n and first[POS] == 0 and last[POS] == n - 1
+                and first[QUEUED] == last[QUEUED]):
+            # The whole batch is one group (a loop's turn of calls, or one many() call): hand
+            # the output over as it is. The function may have put exceptions in slots; unwrap
+            # raises them for their callers.
+            group.results = out if type(out) is list else list(out)
+            group.remaining = 0
+            finished.append(group)
+            lat.extend([end - first[QUEUED]] * n)
+            return
+        for s, r in zip(slots, out):
+            if isinstance(r, BaseException):  # the function marked this item as failed
+                r = _Failure(r)
+            else:
+                lat.append(end - s[QUEUED])
+            group = s[GROUP]
+            group.results[s[POS]] = r
+            group.remaining -= 1
+            if group.remaining == 0:
+                finished.append(group)
+
+    def _set(self, slot: _Slot, failure: _Failure, finished: list[_Group]) -> None:
+        self._stats.errors += 1
+        group = slot[GROUP]
+        group.results[slot[POS]] = failure
+        group.remaining -= 1
+        if group.remaining == 0:
+            finished.append(group)
+
+    @staticmethod
+    def _hand_over(groups: list[_Group]) -> None:
+        """Wake the callers. Threads are woken one after another: the worker wakes the first,
+        each caller wakes the next as it returns. A herd of 64 threads woken at once would fight
+        over the GIL and cost more than the calls."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[_Group]] = {}
+        chain: _Group | None = None
+        for group in reversed(groups):
+            if group.loop is None:
+                if group.timed:
+                    group.lock.release()
+                else:
+                    group.next, chain = chain, group
+            else:
+                by_loop.setdefault(group.loop, []).append(group)
+        if chain is not None:
+            chain.lock.release()
+        for loop, gs in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_resolve, gs)
+            except RuntimeError:  # the caller's loop is closed: nobody is waiting
+                pass

@@ -1,0 +1,65 @@
+"""Padding and stacking dict items of numpy arrays or torch tensors, and splitting outputs back."""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def pad_stack(items: list[dict[str, Any]], pad_token: dict[str, Any]) -> dict[str, Any]:
+    """{key: [B, L, ...]} from items {key: [L_i, ...]}, right-padded with pad_token[key] (default 0)."""
+    keys = items[0].keys()
+    out = {}
+    for key in keys:
+        values = [it[key] for it in items]
+        pad = pad_token.get(key, 0)
+        if _is_torch(values[0]):
+            import torch
+            if values[0].dim() == 0:
+                out[key] = torch.stack(values)
+                continue
+            length = max(v.shape[0] for v in values)
+            batch = values[0].new_full((len(values), length, *values[0].shape[1:]), pad)
+            for i, v in enumerate(values):
+                batch[i, :v.shape[0]] = v
+        else:
+            import numpy as np
+            values = [np.asarray(v) for v in values]
+            if values[0].ndim == 0:
+                out[key] = np.stack(values)
+                continue
+            length = max(v.shape[0] for v in values)
+            batch = np.full((len(values), length, *values[0].shape[1:]), pad, dtype=values[0].dtype)
+            for i, v in enumerate(values):
+                batch[i, :v.shape[0]] = v
+        out[key] = batch
+    return out
+
+
+def split(outputs: Any, n: int) -> list:
+    """Per-item outputs from a batched output: an array/tensor [B, ...], a dict of them, or a list."""
+    if isinstance(outputs, dict):
+        parts = {k: split(v, n) for k, v in outputs.items()}
+        return [{k: parts[k][i] for k in parts} for i in range(n)]
+    if isinstance(outputs, (list, tuple)):
+        return list(outputs)
+    return [outputs[i] for i in range(len(outputs))]
+
+
+class TensorBatcher:
+    """Wraps fn(batch_dict) -> batched outputs into fn(items) -> per-item outputs."""
+
+    def __init__(self, fn: Callable, pad_token: dict[str, Any]):
+        self.fn, self.pad_token = fn, pad_token
+        self.__qualname__ = getattr(fn, "__qualname__", "function")
+
+    def __call__(self, items: list[dict[str, Any]]):
+        out = self.fn(pad_stack(items, self.pad_token))
+        if inspect.isawaitable(out):
+            async def finish():
+                return split(await out, len(items))
+            return finish()
+        return split(out, len(items))

@@ -1,0 +1,97 @@
+"""`bp.dynamically` against the `batched` package on the same no-op function, in one run (issue 5).
+
+Batch size 64, timeout 5 ms. asyncio: 20,000 tasks each awaiting one call. Threads: 64
+threads making 5,000 calls in all. Each measurement alternates ours and theirs, five rounds;
+the median of each is reported. Prints a markdown table and writes benchmarks/results/dynamic.json.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import batched  # noqa: E402
+
+import batchprompt as bp  # noqa: E402
+
+
+def noop(items: list) -> list:
+    return items
+
+
+def asyncio_rate(make, n: int) -> float:
+    """`make()` builds the batched function inside the loop (batched's binds to its first loop)."""
+    async def main():
+        call = make()
+        return await asyncio.gather(*(call(i) for i in range(n)))
+
+    t0 = time.perf_counter()
+    out = asyncio.run(main())
+    dt = time.perf_counter() - t0
+    assert list(out) == list(range(n))
+    return n / dt
+
+
+def thread_rate(call, threads: int, total: int) -> float:
+    per = total // threads
+    start = threading.Barrier(threads + 1)
+    bad = []
+
+    def worker(k: int) -> None:
+        start.wait()
+        for i in range(per):
+            if call(k * per + i) != k * per + i:
+                bad.append(i)
+
+    ts = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
+    for t in ts:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in ts:
+        t.join()
+    dt = time.perf_counter() - t0
+    assert not bad
+    return per * threads / dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--callers", type=int, default=20_000)
+    ap.add_argument("--threads", type=int, default=64)
+    ap.add_argument("--calls", type=int, default=5_000)
+    args = ap.parse_args()
+    opts = dict(batch_size=64, timeout_ms=5.0)
+    ours = bp.dynamically(**opts)(noop)
+    theirs_sync = batched.dynamically(**opts)(noop)
+    rates: dict[str, list[float]] = {k: [] for k in ("ours_asyncio", "batched_asyncio", "ours_threads",
+                                                     "batched_threads")}
+    for _ in range(args.rounds):
+        rates["ours_asyncio"].append(asyncio_rate(lambda: bp.dynamically(**opts)(noop).acall, args.callers))
+        rates["batched_asyncio"].append(asyncio_rate(lambda: batched.aio.dynamically(**opts)(noop), args.callers))
+        rates["ours_threads"].append(thread_rate(ours, args.threads, args.calls))
+        rates["batched_threads"].append(thread_rate(theirs_sync, args.threads, args.calls))
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    ratio = {"asyncio": med["ours_asyncio"] / med["batched_asyncio"],
+             "threads": med["ours_threads"] / med["batched_threads"]}
+    out = Path(__file__).parent / "results"
+    out.mkdir(exist_ok=True)
+    (out / "dynamic.json").write_text(json.dumps(dict(rates=rates, median=med, ratio=ratio), indent=2))
+    print(f"| callers | batchprompt (items/s) | batched (items/s) | ratio |\n|---|---|---|---|")
+    print(f"| {args.callers:,} asyncio tasks | {med['ours_asyncio']:,.0f} | {med['batched_asyncio']:,.0f} | "
+          f"{ratio['asyncio']:.2f}x |")
+    print(f"| {args.threads} threads, {args.calls:,} calls | {med['ours_threads']:,.0f} | "
+          f"{med['batched_threads']:,.0f} | {ratio['threads']:.2f}x |")
+    print(f"\nmedian of {args.rounds} alternating rounds; ours: {ours.stats}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""bp.dynamically: batching across threads and asyncio, ordering, deadlines, limits, errors, tensors."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import batchprompt as bp
+from batchprompt.dynamic import BatchSizeMismatch
+
+
+class Recorder:
+    """A batch function that records its batches and can hold the first one until released."""
+
+    def __init__(self, hold_first: bool = False):
+        self.batches: list[list] = []
+        self.started = threading.Event()
+        self.release = threading.Event()
+        if not hold_first:
+            self.release.set()
+
+    def __call__(self, items: list) -> list:
+        self.batches.append(list(items))
+        self.started.set()
+        self.release.wait(10)
+        return [x * 10 for x in items]
+
+
+def run_threads(fn, n: int) -> list:
+    out = [None] * n
+
+    def worker(i):
+        out[i] = fn(i)
+
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(10)
+    return out
+
+
+def test_one_item_many_items_threads_and_asyncio():
+    rec = Recorder()
+    f = bp.dynamically(batch_size=16, timeout_ms=20)(rec)
+    assert f(3) == 30
+    assert f.many([1, 2, 3]) == [10, 20, 30]
+    assert f.many([]) == []
+    assert run_threads(f, 40) == [i * 10 for i in range(40)]
+
+    async def main():
+        singles = await asyncio.gather(*(f.acall(i) for i in range(50)))
+        several = await f.amany([7, 8])
+        return singles, several
+
+    singles, several = asyncio.run(main())
+    assert singles == [i * 10 for i in range(50)] and several == [70, 80]
+    assert max(len(b) for b in rec.batches) == 16  # calls were batched, never beyond batch_size
+    assert all(len(b) <= 16 for b in rec.batches)
+    s = f.stats
+    assert s.items == 1 + 3 + 40 + 50 + 2 and s.batches == len(rec.batches) and s.mean_batch_size > 1
+    assert s.p99_latency_ms >= s.p50_latency_ms > 0 and s.items_per_s > 0 and s.errors == 0
+
+
+def test_async_function_and_methods():
+    @bp.dynamically(batch_size=8, timeout_ms=5)
+    async def double(items):
+        await asyncio.sleep(0)
+        return [2 * x for x in items]
+
+    assert double(4) == 8
+    assert asyncio.run(double.acall(5)) == 10
+
+    class Model:
+        def __init__(self, k):
+            self.k = k
+
+        @bp.dynamically(batch_size=4, timeout_ms=5)
+        def predict(self, items):
+            return [self.k * x for x in items]
+
+    a, b = Model(2), Model(3)
+    assert a.predict(5) == 10 and b.predict(5) == 15
+    assert a.predict.many([1, 2]) == [2, 4]
+    assert a.predict is a.predict and a.predict is not b.predict  # one processor per instance
+    assert asyncio.run(b.predict.acall(1)) == 3
+
+
+def test_a_batch_closes_after_the_timeout_since_its_first_item():
+    rec = Recorder()
+    f = bp.dynamically(batch_size=100, timeout_ms=300)(rec)
+    results = []
+    t = threading.Thread(target=lambda: results.append(f(1)))
+    t0 = time.monotonic()
+    t.start()
+    time.sleep(0.05)
+    assert f(2) == 20  # joined the batch the first item opened
+    t.join()
+    elapsed = time.monotonic() - t0
+    assert rec.batches == [[1, 2]] and results == [10]
+    assert 0.25 < elapsed < 2.0
+
+
+def _held(f, rec):
+    """Start a batch that blocks, so that later calls queue up."""
+    t = threading.Thread(target=f, args=(0,))
+    t.start()
+    assert rec.started.wait(5)
+    return t
+
+
+def test_small_calls_and_higher_priority_go_first():
+    rec = Recorder(hold_first=True)
+    f = bp.dynamically(batch_size=4, timeout_ms=1, small_batch_threshold=2)(rec)
+    first = _held(f, rec)
+    big = threading.Thread(target=f.many, args=([100, 101, 102, 103, 104, 105],))
+    big.start()
+    time.sleep(0.05)
+    small = threading.Thread(target=f, args=(7,))
+    small.start()
+    time.sleep(0.05)
+    urgent = threading.Thread(target=lambda: f(9, priority=5))
+    urgent.start()
+    time.sleep(0.05)
+    rec.release.set()
+    for t in (first, big, small, urgent):
+        t.join(5)
+    order = [x for b in rec.batches[1:] for x in b]
+    assert order[:2] == [9, 7]  # priority first, then the small call, then the large one
+    assert sorted(order[2:]) == [100, 101, 102, 103, 104, 105]
+
+
+def test_deadline_fails_the_item_and_spares_the_others():
+    rec = Recorder(hold_first=True)
+    f = bp.dynamically(batch_size=2, timeout_ms=1)(rec)
+    first = _held(f, rec)
+    errors, results = [], []
+
+    def late():
+        try:
+            f(5, timeout=0.05)
+        except bp.DeadlineExceeded as e:
+            errors.append(e)
+
+    t1 = threading.Thread(target=late)
+    t2 = threading.Thread(target=lambda: results.append(f(6)))
+    t1.start(), t2.start()
+    t1.join(5)
+    rec.release.set()
+    t2.join(5), first.join(5)
+    assert len(errors) == 1 and "deadline" in str(errors[0]) and results == [60]
+
+    async def main():
+        with pytest.raises(bp.DeadlineExceeded):
+            rec.release.clear()
+            rec.started.clear()
+            threading.Thread(target=f, args=(0,)).start()
+            await asyncio.to_thread(rec.started.wait, 5)
+            await f.acall(1, timeout=0.05)
+        rec.release.set()
+
+    asyncio.run(main())
+
+
+def test_queue_limit_raises_or_blocks():
+    rec = Recorder(hold_first=True)
+    f = bp.dynamically(batch_size=1, timeout_ms=1, max_queue=2)(rec)
+    first = _held(f, rec)
+    waiting = [threading.Thread(target=f, args=(i,)) for i in (1, 2)]
+    for t in waiting:
+        t.start()
+    time.sleep(0.05)
+    with pytest.raises(bp.QueueFull, match="max_queue=2"):
+        f(3)
+    with pytest.raises(bp.QueueFull):
+        asyncio.run(f.acall(3))
+    rec.release.set()
+    for t in [first, *waiting]:
+        t.join(5)
+
+    rec2 = Recorder(hold_first=True)
+    g = bp.dynamically(batch_size=1, timeout_ms=1, max_queue=1, block_when_full=True)(rec2)
+    first = _held(g, rec2)
+    queued = threading.Thread(target=g, args=(1,))
+    queued.start()
+    time.sleep(0.05)
+    blocked = []
+    t = threading.Thread(target=lambda: blocked.append(g(2)))
+    t.start()
+    time.sleep(0.1)
+    assert blocked == []  # waiting for room, not failed
+    rec2.release.set()
+    for th in (first, queued, t):
+        th.join(5)
+    assert blocked == [20]
+
+
+def test_batches_sized_by_cost():
+    seen = []
+
+    @bp.dynamically(batch_size=100, timeout_ms=20, cost=len, max_batch_cost=10)
+    def lengths(items):
+        seen.append(list(items))
+        return [len(x) for x in items]
+
+    words = ["aaaa", "bbb", "cc", "ddddd", "e", "ffffff", "gg", "hhh"]
+    assert lengths.many(words) == [len(w) for w in words]
+    assert all(sum(map(len, b)) <= 10 for b in seen) and len(seen) > 1
+
+
+def test_a_failing_item_gets_the_error_and_the_others_get_results():
+    @bp.dynamically(batch_size=8, timeout_ms=20)
+    def picky(items):
+        if "bad" in items:
+            raise ValueError("cannot take 'bad'")
+        return [x.upper() for x in items]
+
+    out = [None] * 6
+
+    def call(i, x):
+        try:
+            out[i] = picky(x)
+        except ValueError as e:
+            out[i] = e
+
+    ts = [threading.Thread(target=call, args=(i, x)) for i, x in enumerate(["a", "b", "bad", "c", "d", "e"])]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(5)
+    assert isinstance(out[2], ValueError)
+    assert [o for i, o in enumerate(out) if i != 2] == ["A", "B", "C", "D", "E"]
+
+    @bp.dynamically(batch_size=4, timeout_ms=5)
+    def marks(items):
+        return [KeyError(x) if x < 0 else x for x in items]
+
+    assert marks(3) == 3
+    with pytest.raises(KeyError):
+        marks(-1)
+
+    @bp.dynamically(batch_size=4, timeout_ms=5)
+    def short(items):
+        return items[:-1]
+
+    with pytest.raises(BatchSizeMismatch, match="returned 1 results for a batch of 2"):
+        short.many([1, 2])
+
+
+def test_tensor_variant_pads_stacks_and_splits():
+    shapes = []
+
+    @bp.dynamically(batch_size=8, timeout_ms=20, pad_token={"input_ids": -1})
+    def embed(batch):
+        ids = batch["input_ids"]
+        shapes.append(tuple(ids.shape))
+        mask = batch["attention_mask"]
+        return {"sum": (ids * mask).sum(axis=1), "first": ids[:, 0]}
+
+    items = [{"input_ids": np.arange(1, n + 1), "attention_mask": np.ones(n, dtype=np.int64)} for n in (2, 5, 3)]
+    out = embed.many(items)
+    assert [o["sum"] for o in out] == [3, 15, 6] and [o["first"] for o in out] == [1, 1, 1]
+    assert shapes == [(3, 5)]
+
+    @bp.dynamically(batch_size=8, timeout_ms=20, tensors=True)
+    def rows(batch):
+        return batch["x"].float().sum(dim=1, keepdim=True)
+
+    out = rows.many([{"x": torch.tensor([1, 2])}, {"x": torch.tensor([3])}])
+    assert [o.tolist() for o in out] == [[3.0], [3.0]]
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="batch_size"):
+        bp.dynamically(batch_size=0)
+    with pytest.raises(ValueError, match="cost= and max_batch_cost="):
+        bp.dynamically(cost=len)
