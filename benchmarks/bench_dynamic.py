@@ -1,8 +1,8 @@
 """`bp.dynamically` against the `batched` package on the same no-op function, in one run (issue 5).
 
 Batch size 64, timeout 5 ms. asyncio: 20,000 tasks each awaiting one call. Threads: 64
-threads making 5,000 calls in all. Each measurement alternates ours and theirs, five rounds;
-the median of each is reported. Prints a markdown table and writes benchmarks/results/dynamic.json.
+threads making 5,000 calls in all. After a warm-up, each measurement alternates ours and theirs, seven
+rounds; the median of each is reported. Prints a markdown table and writes benchmarks/results/dynamic.json.
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def thread_rate(call, threads: int, total: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--callers", type=int, default=20_000)
     ap.add_argument("--threads", type=int, default=64)
     ap.add_argument("--calls", type=int, default=5_000)
@@ -74,6 +74,10 @@ def main() -> None:
     theirs_sync = batched.dynamically(**opts)(noop)
     rates: dict[str, list[float]] = {k: [] for k in ("ours_asyncio", "batched_asyncio", "ours_threads",
                                                      "batched_threads")}
+    asyncio_rate(lambda: bp.dynamically(**opts)(noop).acall, 2000)  # warm-up, not counted
+    asyncio_rate(lambda: batched.aio.dynamically(**opts)(noop), 2000)
+    thread_rate(ours, args.threads, 640)
+    thread_rate(theirs_sync, args.threads, 640)
     for _ in range(args.rounds):
         rates["ours_asyncio"].append(asyncio_rate(lambda: bp.dynamically(**opts)(noop).acall, args.callers))
         rates["batched_asyncio"].append(asyncio_rate(lambda: batched.aio.dynamically(**opts)(noop), args.callers))

@@ -40,7 +40,10 @@ class DynamicFunction:
         return self._processor
 
     def __call__(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
-        return self.many([item], priority=priority, timeout=timeout)[0]
+        p = self._processor or self.processor
+        if priority or timeout is not None or p.cost is not None:
+            return self.many([item], priority=priority, timeout=timeout)[0]
+        return p.call_one(item)
 
     def many(self, items: Sequence, *, priority: int = 0, timeout: float | None = None) -> list:
         p = self.processor
