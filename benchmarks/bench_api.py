@@ -7,25 +7,16 @@ compared. Prints a markdown table and writes benchmarks/results/api.json.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from common import overhead_table, rows_and_repeats, save_results
 
-import batchprompt as bp  # noqa: E402
-from batchprompt.data import SPAM_SYSTEM, read_sms  # noqa: E402
+import batchprompt as bp
+from batchprompt.data import SPAM_SYSTEM, read_sms
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--rows", type=int, default=1000)
-    ap.add_argument("--repeats", type=int, default=2)
-    args = ap.parse_args()
+    args = rows_and_repeats(__doc__)
 
     texts = [t for _, t in read_sms(limit=args.rows)]
     engine = bp.LLMEngine.from_pretrained()
@@ -48,16 +39,9 @@ def main() -> None:
         texts_api = [r.text for r in results]
 
     same = sum(a == b for a, b in zip(texts_engine, texts_api))
-    best = {k: min(v) for k, v in times.items()}
-    overhead = best["api"] / best["engine"] - 1
-    res = dict(rows=len(texts), times=times, best=best, overhead=overhead, same_text=same)
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
-    (out / "api.json").write_text(json.dumps(res, indent=2))
-    print(f"| path | best of {args.repeats} (s) | prompts/s |\n|---|---|---|")
-    for k in ("engine", "api"):
-        print(f"| {'LLMEngine.generate' if k == 'engine' else 'LanguageModel.batch_prompt'} | "
-              f"{best[k]:.1f} | {len(texts) / best[k]:.1f} |")
+    best, overhead = overhead_table(times, {"engine": "LLMEngine.generate", "api": "LanguageModel.batch_prompt"},
+                                    len(texts), "prompts")
+    save_results("api", dict(rows=len(texts), times=times, best=best, overhead=overhead, same_text=same))
     print(f"\nbatch_prompt overhead: {overhead:+.1%} (target <= 5%); identical texts {same}/{len(texts)} "
           f"(bfloat16: a different admission order may flip near-ties)")
     lm.destroy()

@@ -8,18 +8,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
-import sys
 import threading
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import batched
+from common import save_results
 
-import batched  # noqa: E402
-
-import batchprompt as bp  # noqa: E402
+import batchprompt as bp
 
 
 def noop(items: list) -> list:
@@ -86,10 +82,8 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in rates.items()}
     ratio = {"asyncio": med["ours_asyncio"] / med["batched_asyncio"],
              "threads": med["ours_threads"] / med["batched_threads"]}
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
-    (out / "dynamic.json").write_text(json.dumps(dict(rates=rates, median=med, ratio=ratio), indent=2))
-    print(f"| callers | batchprompt (items/s) | batched (items/s) | ratio |\n|---|---|---|---|")
+    save_results("dynamic", dict(rates=rates, median=med, ratio=ratio))
+    print("| callers | batchprompt (items/s) | batched (items/s) | ratio |\n|---|---|---|---|")
     print(f"| {args.callers:,} asyncio tasks | {med['ours_asyncio']:,.0f} | {med['batched_asyncio']:,.0f} | "
           f"{ratio['asyncio']:.2f}x |")
     print(f"| {args.threads} threads, {args.calls:,} calls | {med['ours_threads']:,.0f} | "

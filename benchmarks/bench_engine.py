@@ -7,22 +7,16 @@ benchmarks/results/engine.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import resource
-import sys
 import time
-from pathlib import Path
 
 import torch
+from common import save_results
+from peers import hf_generate, load_peer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from batchprompt import LLMEngine, SamplingParams  # noqa: E402
-from batchprompt.data import SPAM_SYSTEM, predicted_label, read_sms  # noqa: E402
-from batchprompt.models import resolve_model  # noqa: E402
-from peers import hf_generate, load_peer  # noqa: E402
+from batchprompt import LLMEngine, SamplingParams
+from batchprompt.data import SPAM_SYSTEM, predicted_label, read_sms
+from batchprompt.models import resolve_model
 
 
 def gemm_rate() -> float:
@@ -98,9 +92,7 @@ def main() -> None:
     secs, gen, _ = hf_generate(peer, reply[:4], 128, 1, pad, eos)
     res["hf_single_reply"] = dict(prompts=4, seconds=secs, gen_tokens=gen, gen_tok_per_s=gen / secs)
 
-    out_dir = Path(__file__).resolve().parent / "results"
-    out_dir.mkdir(exist_ok=True)
-    (out_dir / "engine.json").write_text(json.dumps(res, indent=2))
+    save_results("engine", res)
     print(table(res))
 
 

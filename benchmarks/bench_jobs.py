@@ -8,27 +8,21 @@ benchmarks/results/jobs.json.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from common import overhead_table, rows_and_repeats, save_results
 
-import batchprompt as bp  # noqa: E402
-from batchprompt.data import SPAM_SYSTEM, read_sms  # noqa: E402
-from batchprompt.jobs import JobOptions, run_job  # noqa: E402
+import batchprompt as bp
+from batchprompt.data import SPAM_SYSTEM, read_sms
+from batchprompt.jobs import JobOptions, run_job
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--rows", type=int, default=1000)
-    ap.add_argument("--repeats", type=int, default=2)
-    args = ap.parse_args()
+    args = rows_and_repeats(__doc__)
     texts = [t for _, t in read_sms(limit=args.rows)]
     tmp = Path(tempfile.mkdtemp(prefix="bench-jobs-"))
     inp = tmp / "in.jsonl"
@@ -49,15 +43,10 @@ def main() -> None:
         s = run_job(JobOptions(str(inp), str(tmp / f"out{k}.jsonl"), progress=False), out=open(os.devnull, "w"))
         times["run"].append(time.perf_counter() - t0)
         assert s.ok == len(texts), s
-    best = {k: min(v) for k, v in times.items()}
-    overhead = best["run"] / best["batch_prompt"] - 1
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
-    (out / "jobs.json").write_text(json.dumps(dict(rows=len(texts), times=times, best=best, overhead=overhead),
-                                              indent=2))
-    print(f"| path | best of {args.repeats} (s) | rows/s |\n|---|---|---|")
-    for k, name in (("batch_prompt", "LanguageModel.batch_prompt"), ("run", "batchprompt run (job runner)")):
-        print(f"| {name} | {best[k]:.1f} | {len(texts) / best[k]:.1f} |")
+    best, overhead = overhead_table(
+        times, {"batch_prompt": "LanguageModel.batch_prompt", "run": "batchprompt run (job runner)"},
+        len(texts), "rows")
+    save_results("jobs", dict(rows=len(texts), times=times, best=best, overhead=overhead))
     print(f"\nbatchprompt run overhead: {overhead:+.1%} (target <= 5%)")
     lm.destroy()
 

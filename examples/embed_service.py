@@ -115,7 +115,7 @@ def main() -> None:
     worst = max(float(np.abs(a - b).max()) for a, b in zip(single, out))
     worst_async = max(float(np.abs(a - b).max()) for a, b in zip(out, aout))
     print(f"{len(texts)} SMS texts, all-MiniLM-L6-v2 on {torch.get_num_threads()} CPU threads")
-    print(f"| callers | texts/s | vs one at a time |\n|---|---|---|")
+    print("| callers | texts/s | vs one at a time |\n|---|---|---|")
     print(f"| one call per text, no batching | {single_rate:,.0f} | 1.00x |")
     print(f"| {args.threads} threads via bp.dynamically | {thread_rate:,.0f} | {thread_rate / single_rate:.2f}x |")
     print(f"| {args.tasks} asyncio tasks via bp.dynamically | {async_rate:,.0f} | {async_rate / single_rate:.2f}x |")

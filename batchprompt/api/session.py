@@ -68,7 +68,7 @@ class LanguageModel:
         tok = self._service.engine.tokenizer
         if tok is None:
             raise ValueError("this engine has no tokenizer: the batch API needs one to render prompts")
-        return tok.encode(tok.render(messages))
+        return tok.encode_prompt(messages)
 
     def _prefix_ids(self) -> list[int]:
         """The tokens every prompt of this session starts with: the common start of two

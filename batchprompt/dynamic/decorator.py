@@ -17,7 +17,7 @@ import functools
 from asyncio import get_running_loop as _running_loop
 from typing import Any, Callable, Sequence
 
-from .processor import BatchProcessor, QueueFull, _Failure
+from .processor import BatchProcessor, QueueFull, value
 from .stats import BatchStats
 from .tensors import TensorBatcher
 
@@ -64,12 +64,7 @@ class DynamicFunction:
         group = buf.group
         if pos + 1 >= p.batch_size:
             p.flush_buffer(buf, False)
-        r = (await group.future)[pos]
-        if type(r) is _Failure:
-            raise r.error
-        if isinstance(r, BaseException):
-            raise r
-        return r
+        return value((await group.future)[pos])
 
     async def amany(self, items: Sequence, *, priority: int = 0, timeout: float | None = None) -> list:
         p = self.processor

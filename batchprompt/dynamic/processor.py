@@ -65,6 +65,12 @@ class _Group:
             self.lock = None
             self.future = loop.create_future()
 
+    def wait(self) -> None:
+        """A thread caller without a timeout: block until done, then wake the next in its chain."""
+        self.lock.acquire()
+        if self.next is not None:
+            self.next.lock.release()
+
 
 # The queue holds runs: consecutive items of one group, as a plain tuple (few objects, so that
 # a flood of callers costs the garbage collector little):
@@ -80,14 +86,20 @@ def _resolve(groups: list[_Group]) -> None:
             group.future.set_result(group.results)
 
 
+def value(r: Any) -> Any:
+    """One item's result, or its error raised."""
+    if type(r) is _Failure:
+        raise r.error
+    if isinstance(r, BaseException):  # the function put it in the item's slot
+        raise r
+    return r
+
+
 def unwrap(results: list, start: int = 0, stop: int | None = None) -> list:
     """A caller's results; raises the first error among its items."""
     out = results[start:stop]
     for r in out:
-        if type(r) is _Failure:
-            raise r.error
-        if isinstance(r, BaseException):  # the function put it in the item's slot
-            raise r
+        value(r)
     return out
 
 
@@ -131,13 +143,11 @@ class BatchProcessor:
         self._queues: dict[tuple[int, int], deque[_Run]] = {}
         self._keys: list[tuple[int, int]] = []  # sorted, the first is served first
         self._size = 0
-        self._with_deadline = 0  # queued runs that have a deadline
         self._queued_cost = 0.0
         self._first_arrival = 0.0
         self._stats = StatsRecorder()
         self._worker: threading.Thread | None = None
         self._buffers: dict[asyncio.AbstractEventLoop, _LoopBuffer] = {}
-        self._batch_has_deadlines = False
         self._idle = False  # the worker waits for a first item (and must be woken for it)
         self._loop: asyncio.AbstractEventLoop | None = None  # the worker's own, for async functions
 
@@ -180,15 +190,8 @@ class BatchProcessor:
                 self._cond.notify()
             if self._worker is None:
                 self._start_worker()
-        group.lock.acquire()
-        if group.next is not None:  # pass the wake-up on
-            group.next.lock.release()
-        r = group.results[0]
-        if type(r) is _Failure:
-            raise r.error
-        if isinstance(r, BaseException):
-            raise r
-        return r
+        group.wait()
+        return value(group.results[0])
 
     def submit_async(self, items: Sequence, loop: asyncio.AbstractEventLoop, priority: int = 0,
                      timeout: float | None = None) -> tuple[_Group, int, int]:
@@ -255,8 +258,6 @@ class BatchProcessor:
             was_empty = not self._size
             self._queue((-priority, small)).extend(runs)
             self._size += n
-            if runs[0][DEADLINE] is not None:
-                self._with_deadline += len(runs)
             if self.cost is not None:
                 self._queued_cost += sum(r[COST] for r in runs)
             if was_empty:
@@ -285,9 +286,7 @@ class BatchProcessor:
 
     def wait(self, group: _Group, timeout: float | None) -> list:
         if timeout is None:
-            group.lock.acquire()
-            if group.next is not None:  # pass the wake-up on
-                group.next.lock.release()
+            group.wait()
         elif not group.lock.acquire(timeout=max(timeout, 0)):
             raise DeadlineExceeded(f"{self.name}: no result within the {timeout}s deadline")
         return unwrap(group.results)
@@ -330,7 +329,6 @@ class BatchProcessor:
                 self._cond.wait(left)
             batch: list[_Run] = []
             count, cost, full = 0, 0.0, False
-            deadlines_queued = self._with_deadline > 0
             for key in list(self._keys):
                 q = self._queues[key]
                 while q and not full:
@@ -345,8 +343,6 @@ class BatchProcessor:
                         batch.append(run)
                         count += k
                         cost += run[COST]
-                        if run[DEADLINE] is not None:
-                            self._with_deadline -= 1
                     else:  # the run is longer than the room: split it (count mode only)
                         items, group, pos, _, deadline, queued = run
                         batch.append((items[:room], group, pos, room, deadline, queued))
@@ -359,7 +355,6 @@ class BatchProcessor:
                 if full:
                     break
             self._size -= count
-            self._batch_has_deadlines = deadlines_queued and any(r[DEADLINE] is not None for r in batch)
             if self.cost is not None:
                 self._queued_cost -= cost
             self._first_arrival = time.monotonic()
@@ -373,7 +368,7 @@ class BatchProcessor:
             now = time.monotonic()
             finished: list[_Group] = []
             live = batch
-            if self._batch_has_deadlines:
+            if any(r[DEADLINE] is not None for r in batch):
                 live = []
                 for run in batch:
                     if run[DEADLINE] is not None and run[DEADLINE] < now:

@@ -21,10 +21,7 @@ def pad_stack(items: list[dict[str, Any]], pad_token: dict[str, Any]) -> dict[st
             if values[0].dim() == 0:
                 out[key] = torch.stack(values)
                 continue
-            length = max(v.shape[0] for v in values)
-            batch = values[0].new_full((len(values), length, *values[0].shape[1:]), pad)
-            for i, v in enumerate(values):
-                batch[i, :v.shape[0]] = v
+            batch = torch.nn.utils.rnn.pad_sequence(values, batch_first=True, padding_value=pad)
         else:
             import numpy as np
             values = [np.asarray(v) for v in values]

@@ -1,7 +1,7 @@
 """SamplingParams: how one request picks its tokens and when it stops."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)

@@ -27,21 +27,18 @@ class Journal:
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
         self.db.execute("CREATE TABLE IF NOT EXISTS rows (line INTEGER PRIMARY KEY, custom_id TEXT, "
-                        "ok INTEGER NOT NULL, record TEXT NOT NULL)")
-        old = self.get("fingerprint")
-        if old is not None and old != fingerprint:
-            if not restart:
-                raise JournalMismatch(
-                    f"the journal {self.path} belongs to a different input or different options "
-                    f"(the input file changed since the job began); run with --restart to start over")
-            self.db.execute("DELETE FROM rows")
-            self.db.execute("DELETE FROM meta")
-        elif restart:
+                        "ok INTEGER NOT NULL, record TEXT NOT NULL, "
+                        "prompt_tokens INTEGER NOT NULL DEFAULT 0, completion_tokens INTEGER NOT NULL DEFAULT 0)")
+        if self.get("fingerprint") not in (None, fingerprint) and not restart:
+            raise JournalMismatch(
+                f"the journal {self.path} belongs to a different input or different options "
+                f"(the input file changed since the job began); run with --restart to start over")
+        if restart:
             self.db.execute("DELETE FROM rows")
             self.db.execute("DELETE FROM meta")
         self.set("fingerprint", fingerprint)
         self.commit_every, self.commit_seconds = commit_every, commit_seconds
-        self._pending: list[tuple[int, str | None, int, str]] = []
+        self._pending: list[tuple[int, str | None, int, str, int, int]] = []
         self._last_commit = time.monotonic()
 
     def get(self, key: str) -> str | None:
@@ -54,8 +51,10 @@ class Journal:
     def done_lines(self) -> set[int]:
         return {r[0] for r in self.db.execute("SELECT line FROM rows")}
 
-    def record(self, line: int, custom_id: str | None, ok: bool, record: dict[str, Any]) -> None:
-        self._pending.append((line, custom_id, int(ok), json.dumps(record, ensure_ascii=False)))
+    def record(self, line: int, custom_id: str | None, ok: bool, record: dict[str, Any],
+               prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+        self._pending.append((line, custom_id, int(ok), json.dumps(record, ensure_ascii=False),
+                              prompt_tokens, completion_tokens))
         if (len(self._pending) >= self.commit_every
                 or time.monotonic() - self._last_commit >= self.commit_seconds):
             self.flush()
@@ -63,7 +62,7 @@ class Journal:
     def flush(self) -> None:
         if self._pending:
             self.db.execute("BEGIN IMMEDIATE")
-            self.db.executemany("INSERT OR IGNORE INTO rows VALUES (?, ?, ?, ?)", self._pending)
+            self.db.executemany("INSERT OR IGNORE INTO rows VALUES (?, ?, ?, ?, ?, ?)", self._pending)
             self.db.execute("COMMIT")
             self._pending.clear()
         self._last_commit = time.monotonic()
@@ -74,8 +73,15 @@ class Journal:
             yield line, bool(ok), record
 
     def counts(self) -> tuple[int, int]:
+        """(rows ok, rows in all)."""
         ok, total = self.db.execute("SELECT COALESCE(SUM(ok), 0), COUNT(*) FROM rows").fetchone()
         return int(ok), int(total)
+
+    def token_counts(self) -> tuple[int, int]:
+        """(prompt, completion) tokens of the rows that succeeded."""
+        p, c = self.db.execute("SELECT COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0) "
+                               "FROM rows WHERE ok = 1").fetchone()
+        return int(p), int(c)
 
     def close(self) -> None:
         self.flush()

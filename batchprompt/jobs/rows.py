@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
+COMPLETION_OR_CHAT = "plain"  # plain JSONL: a "prompt" string is a user turn (chat template applies)
 #: Body fields we act on; others (model, user, metadata, ...) are accepted and ignored.
 KNOWN_FIELDS = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                 "seed", "stop", "n", "logprobs", "top_logprobs", "top_k"}
@@ -128,9 +129,6 @@ def parse_line(n: int, line: str) -> Row | RowError:
         return _openai_row(n, obj)
     cid = str(obj.get("id", f"line-{n}"))
     return _from_body(n, cid, CHAT if "messages" in obj else COMPLETION_OR_CHAT, obj)
-
-
-COMPLETION_OR_CHAT = "plain"  # plain JSONL: a "prompt" string is a user turn (chat template applies)
 
 
 def _openai_row(n: int, obj: dict) -> Row | RowError:

@@ -10,7 +10,6 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ..api.batch import Batch, Prepared
 from ..api.result import Result
@@ -129,11 +128,10 @@ def row_params(row: Row, opts: JobOptions) -> tuple[SamplingParams, int]:
 
 
 def render(row: Row, tokenizer, system: str | None) -> list[int]:
+    """Chat rows through the chat template (with `system` when they have none); completion
+    rows as raw text."""
     if row.url == CHAT:
-        messages = list(row.messages)
-        if system is not None and messages[0]["role"] != "system":
-            messages.insert(0, {"role": "system", "content": system})
-        return tokenizer.encode(tokenizer.render(messages))
+        return tokenizer.encode_prompt(row.messages, system)
     return tokenizer.encode(row.prompt)
 
 
@@ -159,6 +157,7 @@ class JobRun:
             check_writable(errors_path)
         from ..models import resolve_model
         model_source = resolve_model(opts.model)  # an unknown model fails before any work
+        self.model_path = str(model_source.path)  # resolved once (a hub id is not looked up again)
 
         if opts.dry_run:
             return self.dry_run(table)
@@ -180,7 +179,7 @@ class JobRun:
             summary.ok, _ = journal.counts()
             summary.failed = summary.rows - summary.ok
             summary.already_complete = True
-            summary.prompt_tokens, summary.completion_tokens = self._token_counts(journal)
+            summary.prompt_tokens, summary.completion_tokens = journal.token_counts()
             where = "written again to stdout from the journal" if opts.output == "-" else f"in {opts.output}"
             self.say(f"already complete: {summary.rows} rows {where} (journal {journal.path}); nothing "
                      f"to run (use --restart to run it again)")
@@ -198,7 +197,7 @@ class JobRun:
         interrupted = False
         t0 = time.perf_counter()
         if todo:
-            service = get_service(opts.model, engine_options=opts.engine_options)
+            service = get_service(self.model_path, engine_options=opts.engine_options)
             self.say(f"model {model_name} ready in {time.perf_counter() - t0:.1f}s; {len(todo)} rows to run")
             t0 = time.perf_counter()
             stats0 = _stats_snapshot(service)
@@ -211,7 +210,7 @@ class JobRun:
         summary.seconds = time.perf_counter() - t0
         ok, total = journal.counts()
         summary.ok, summary.failed = ok, total - ok
-        summary.prompt_tokens, summary.completion_tokens = self._token_counts(journal)
+        summary.prompt_tokens, summary.completion_tokens = journal.token_counts()
         if interrupted:
             summary.interrupted = True
             self.say(f"\ninterrupted: {total} of {len(table.rows)} rows are done and kept in {journal.path}. "
@@ -230,7 +229,6 @@ class JobRun:
         tok = service.engine.tokenizer
         items: list[Prepared] = []
         owners: list[list[tuple[Pending, int]]] = []  # per item: (row, choice index) it answers
-        pending: list[Pending] = []
         shared: dict[str, int] = {}
         for row in todo:
             try:
@@ -242,7 +240,6 @@ class JobRun:
                         row.line, row.custom_id, "invalid_request", f"line {row.line}: {e}"))
                 continue
             p = Pending(row, n, [None] * n)
-            pending.append(p)
             for choice in range(n):
                 cp = params
                 if n > 1 and params.seed is not None:
@@ -256,14 +253,14 @@ class JobRun:
                     shared[key] = len(items)
                 items.append(Prepared(len(items), ids, cp))
                 owners.append([(p, choice)])
-        return items, owners, pending
+        return items, owners
 
     def dry_run(self, table: Table) -> JobSummary:
         """Count rows and prompt tokens; time a short calibration run; estimate the whole job."""
         opts = self.opts
         rows = [r for r in table.rows if isinstance(r, Row)]
         summary = JobSummary(rows=len(table.rows), failed=len(table.rows) - len(rows))
-        service = get_service(opts.model, engine_options=opts.engine_options)
+        service = get_service(self.model_path, engine_options=opts.engine_options)
         tok = service.engine.tokenizer
         for r in rows:
             try:
@@ -271,7 +268,7 @@ class JobRun:
             except (TypeError, ValueError, KeyError):
                 summary.failed += 1
         sample = rows[:opts.calibration_rows]
-        items, _, _ = self._prepare(service, sample, None)
+        items, _ = self._prepare(service, sample, None)
         t0 = time.perf_counter()
         Batch(service, items).wait()
         per_row = (time.perf_counter() - t0) / max(len(sample), 1)
@@ -283,7 +280,7 @@ class JobRun:
 
     def _compute(self, service: EngineService, todo: list[Row], journal: Journal, model_name: str,
                  total_rows: int, done_rows: int, errors: int = 0) -> bool:
-        items, owners, _ = self._prepare(service, todo, journal)
+        items, owners = self._prepare(service, todo, journal)
         bar = None
         if self.opts.progress:
             from tqdm import tqdm
@@ -309,7 +306,8 @@ class JobRun:
                             p.row.line, p.row.custom_id, code, f"line {p.row.line}: {failed.error}"))
                     else:
                         body = openai_io.response_body(p.row, p.choices, model_name, created, token_text)
-                        journal.record(p.row.line, p.row.custom_id, True, openai_io.output_line(p.row, body))
+                        journal.record(p.row.line, p.row.custom_id, True, openai_io.output_line(p.row, body),
+                                       body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"])
                     tokens += sum(c.usage.completion_tokens for c in p.choices)
                     if bar is not None:
                         bar.update(1)
@@ -323,16 +321,6 @@ class JobRun:
             if bar is not None:
                 bar.close()
         return False
-
-    @staticmethod
-    def _token_counts(journal: Journal) -> tuple[int, int]:
-        prompt = completion = 0
-        for _, ok, record in journal.records():
-            if ok:
-                usage = json.loads(record)["response"]["body"]["usage"]
-                prompt += usage["prompt_tokens"]
-                completion += usage["completion_tokens"]
-        return prompt, completion
 
     # ---- outputs ----------------------------------------------------------------------------
     def _write_outputs(self, table: Table, journal: Journal, errors_path: str | None) -> None:
