@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 EXIT_OK, EXIT_ROWS_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -22,6 +24,12 @@ OUTPUT: OpenAI batch output lines {"id", "custom_id", "response": {"status_code"
 "body"}, "error"}, in input order; '-' writes stdout. Failed rows go to the errors file
 (default OUTPUT.errors.jsonl) with their input line. With CSV/Parquet input, --format table
 writes the input table with "result" and "error" columns.
+
+Structured output: a body's response_format ({"type": "json_schema", "json_schema": {"schema":
+...}} or {"type": "json_object"}), or vLLM's guided_choice / guided_regex / guided_json /
+guided_grammar or structured_outputs {"choice"|"regex"|"json"|"grammar": ...}; --choices,
+--regex and --json-schema apply to rows that ask for none. An answer cut by max_tokens before it
+completed its constraint is an error for that row.
 
 The job is journaled (OUTPUT.journal, SQLite): after a crash, Ctrl-C or kill -9, run the same
 command again to resume: only unfinished rows run. Exit status: 0 all rows ok, 1 some rows failed,
@@ -53,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="count rows and prompt tokens and estimate the run time from a short calibration")
     run.add_argument("--restart", action="store_true", help="discard the journal and start over")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--choices", default=None, metavar="A,B,...",
+                     help="answer with exactly one of these labels (comma-separated, or a JSON list)")
+    run.add_argument("--choice-mode", default=None, choices=["decode", "score"],
+                     help="how --choices picks a label: constrained decoding (default) or the "
+                          "log-likelihood of each label (also gives each label's probability)")
+    run.add_argument("--regex", default=None, metavar="RE", help="every answer matches this regular expression")
+    run.add_argument("--json-schema", default=None, metavar="FILE|JSON",
+                     help="every answer is JSON valid against this schema (a file or inline JSON)")
     run.add_argument("--max-num-seqs", type=int, default=None, help="engine: sequences run at once (default 512)")
     run.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES",
                      help="engine: KV cache ceiling in bytes (default: a quarter of free memory)")
@@ -74,13 +90,17 @@ def run_command(args: argparse.Namespace) -> int:
         return _fail(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.temperature < 0:
         return _fail(f"--temperature must be >= 0, got {args.temperature}")
+    try:
+        structured = _structured_options(args)
+    except ValueError as e:
+        return _fail(str(e))
     engine_options = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
                                         ("kv_cache_memory", args.kv_cache_memory)) if v is not None}
     opts = JobOptions(input=args.input, output=args.output, errors=args.errors, model=args.model,
                       system=args.system, max_tokens=args.max_tokens, temperature=args.temperature,
                       seed=args.seed, column=args.column, format=args.format, dry_run=args.dry_run,
                       restart=args.restart, progress=not args.no_progress, journal=args.journal,
-                      engine_options=engine_options)
+                      engine_options=engine_options, structured=structured)
     try:
         summary = run_job(opts)
     except (InputError, ModelNotFoundError, JournalMismatch) as e:
@@ -92,6 +112,37 @@ def run_command(args: argparse.Namespace) -> int:
     if summary.interrupted:
         return EXIT_INTERRUPTED
     return EXIT_ROWS_FAILED if summary.failed else EXIT_OK
+
+
+def _structured_options(args: argparse.Namespace) -> dict:
+    """--choices / --choice-mode / --regex / --json-schema as OutputSpec keywords, checked now."""
+    from .api.structured import OutputSpec
+
+    opts: dict = {}
+    if args.choices is not None:
+        text = args.choices.strip()
+        opts["choices"] = json.loads(text) if text.startswith("[") else [c.strip() for c in text.split(",")]
+    if args.choice_mode is not None:
+        opts["choice_mode"] = args.choice_mode
+    if args.regex is not None:
+        opts["regex"] = args.regex
+    if args.json_schema is not None:
+        source = args.json_schema
+        if not source.lstrip().startswith("{"):
+            try:
+                source = Path(source).read_text()
+            except OSError as e:
+                raise ValueError(f"--json-schema {args.json_schema}: cannot read it ({e.strerror}); "
+                                 f"give a file or inline JSON") from None
+        try:
+            opts["json_schema"] = json.loads(source)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--json-schema {args.json_schema}: not valid JSON ({e})") from None
+    try:
+        OutputSpec.from_options(**opts)
+    except ValueError as e:
+        raise ValueError(f"structured output: {e}") from None
+    return opts
 
 
 def _fail(message: str) -> int:

@@ -45,6 +45,14 @@ def embedded_engine():
     return LLMEngine.from_pretrained(max_num_batched_tokens=1024)
 
 
+@pytest.fixture(scope="session")
+def engine32():
+    """The embedded model in float32, where batching changes no greedy token."""
+    from batchprompt import LLMEngine
+
+    return LLMEngine.from_pretrained(dtype="float32", max_num_batched_tokens=1024)
+
+
 def full_logits(model, token_ids: list[int]) -> torch.Tensor:
     """Logits of every position of one prompt, run through the paged-cache path."""
     from batchprompt.engine.outputs import ScheduledChunk

@@ -19,6 +19,7 @@ from typing import AsyncIterator, Callable, Iterator
 from ..engine import RequestOutput, SamplingParams
 from .result import BatchError, Result, Usage
 from .service import EngineService, Item, Source
+from .structured import OutputSpec
 
 
 @dataclass(frozen=True)
@@ -54,17 +55,19 @@ class Prepared:
     token_ids: list[int] | None
     params: SamplingParams
     error: str | None = None
+    spec: OutputSpec | None = None  # structured output: checks and parses the result
 
 
-def to_result(index: int, out: RequestOutput) -> Result:
+def to_result(index: int, out: RequestOutput, spec: OutputSpec | None = None) -> Result:
     cancelled = out.finish_reason == "abort"
-    return Result(
+    result = Result(
         index=index, text=out.text,
         finish_reason="cancelled" if cancelled else out.finish_reason,
         usage=Usage(len(out.prompt_token_ids), len(out.output_token_ids), out.num_cached_tokens),
         error="cancelled before it finished" if cancelled else out.error,
         logprobs=out.logprobs, token_ids=out.output_token_ids,
     )
+    return spec.finish(result, out.choice_logprobs) if spec is not None else result
 
 
 class Batch:
@@ -118,7 +121,7 @@ class Batch:
             # once and is still cached while its group runs (a trie order of the token ids).
             order.sort(key=lambda p: p.token_ids)
         for p in order:
-            source.items.append(Item(p.token_ids, p.params, self._handler(p.index)))
+            source.items.append(Item(p.token_ids, p.params, self._handler(p.index, p.spec)))
         self._source = source
         for p in self._prepared:
             if p.token_ids is None:
@@ -128,8 +131,8 @@ class Batch:
         elif source.items:
             self._service.submit(source)
 
-    def _handler(self, index: int) -> Callable[[RequestOutput], None]:
-        return lambda out: self._deliver(to_result(index, out))
+    def _handler(self, index: int, spec: OutputSpec | None) -> Callable[[RequestOutput], None]:
+        return lambda out: self._deliver(to_result(index, out, spec))
 
     # ---- results --------------------------------------------------------------------------
     def _deliver(self, result: Result) -> None:

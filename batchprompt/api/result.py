@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,11 @@ class Usage:
 
 @dataclass(frozen=True)
 class Result:
-    """One prompt's answer. `str(result)` is its text; a failed item has `error` set."""
+    """One prompt's answer. `str(result)` is its text; a failed item has `error` set.
+
+    With structured output: `parsed` holds the JSON value (or the pydantic instance) of a
+    json_schema / response_format call; `choice_probs` the probability of every label of a
+    `choices` call scored by log-likelihood (choice_mode="score")."""
 
     index: int
     text: str = ""
@@ -26,6 +31,8 @@ class Result:
     error: str | None = None
     logprobs: list[float] | None = None
     token_ids: list[int] = field(default_factory=list, repr=False)
+    parsed: Any = None
+    choice_probs: dict[str, float] | None = None
 
     @property
     def ok(self) -> bool:

@@ -30,7 +30,8 @@ _session_ids = itertools.count()
 
 class LanguageModel:
     """Create with `LanguageModel.create(...)`. Options (max_tokens, temperature, top_p, top_k,
-    seed, stop, logprobs) set here are the session's defaults; each call may override them."""
+    seed, stop, logprobs; structured output: choices, choice_mode, regex, json_schema,
+    response_format, grammar) set here are the session's defaults; each call may override them."""
 
     def __init__(self, service: EngineService, initial_prompts: list[Message], options: GenerationOptions,
                  _pin_from: str | None = None):
@@ -108,11 +109,11 @@ class LanguageModel:
         self._check_alive()
         if isinstance(prompts, str):
             raise TypeError("batch_prompt takes a list of prompts; for one prompt use prompt()")
-        params = self.options.merged(options).sampling_params()
+        params, spec = self.options.merged(options).sampling_params(self._service.engine.tokenizer)
         out = []
         for i, prompt in enumerate(prompts):
             try:
-                out.append(Prepared(i, self._render_ids(self._messages(prompt)), params))
+                out.append(Prepared(i, self._render_ids(self._messages(prompt)), params, spec=spec))
             except (TypeError, ValueError, KeyError) as e:
                 out.append(Prepared(i, None, params, f"prompt {i} cannot be rendered: {e}"))
         return out

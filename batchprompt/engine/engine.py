@@ -12,11 +12,12 @@ from ..models import Tokenizer, build_model, load_hf_weights, resolve_model
 from ..models.llama import LlamaModel
 from ..runner.kv_tensors import KVTensors
 from ..runner.model_runner import ModelRunner
+from ..structured import GrammarCompiler, GrammarError
 from .block_pool import BlockPool
 from .config import EngineConfig
 from .kv_cache import KVCacheManager
 from .outputs import RequestOutput
-from .request import Request
+from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .stats import EngineStats
@@ -44,6 +45,7 @@ class LLMEngine:
         self._rejected: list[Request] = []
         self._ids = itertools.count()
         self._stats = EngineStats()
+        self.grammars = GrammarCompiler(tokenizer.hf, args.vocab_size, self.eos_token_ids) if tokenizer else None
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, *, dtype: str | torch.dtype = "auto",
@@ -72,7 +74,7 @@ class LLMEngine:
             gen = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         req = Request(request_id, ids, params, generator=gen)
         self._requests[request_id] = req
-        problem = self._validate(ids)
+        problem = self._validate(ids) or self._prepare_structured(req)
         if problem:
             req.finish("error", problem)
             self._rejected.append(req)
@@ -94,15 +96,42 @@ class LLMEngine:
                     f"({self.pool.max_blocks * self.config.block_size} tokens): raise kv_cache_memory")
         return None
 
+    def _prepare_structured(self, req: Request) -> str | None:
+        p = req.params
+        if p.grammar is not None:
+            if self.grammars is None:
+                return "structured output needs the model's tokenizer, and this engine has none"
+            try:
+                req.matcher = self.grammars.matcher(p.grammar)
+            except GrammarError as e:
+                return f"{e} (fix it; it applies to this request only)"
+        if p.score_choices:
+            longest = max(len(c) for c in p.score_choices)
+            if req.num_prompt_tokens + longest >= self.max_model_len:
+                return (f"the prompt ({req.num_prompt_tokens} tokens) and the longest choice ({longest}) "
+                        f"do not fit the context of {self.max_model_len} tokens: shorten the prompt")
+            vocab = self.model.args.vocab_size
+            if any(not 0 <= t < vocab for c in p.score_choices for t in c):
+                return f"a choice has token ids outside the vocabulary [0, {vocab})"
+        return None
+
     def abort(self, request_id: str) -> bool:
         """Stop a request; it comes back from the next `step()` with finish_reason 'abort'."""
         req = self._requests.get(request_id)
-        if req is None or req.is_finished:
+        if req is None or req.is_finished or req.parent is not None:
             return False
+        self._drop_children(req)
         self.scheduler.finish(req)
         req.finish("abort")
         self._rejected.append(req)
         return True
+
+    def _drop_children(self, parent: Request) -> None:
+        for cid in parent.pending_children:
+            child = self._requests.pop(cid)
+            self.scheduler.finish(child)
+            child.finish("abort")
+        parent.pending_children.clear()
 
     # ---- pinned prefixes (a session's system prompt) ---------------------------------------
     def pin_prefix(self, name: str, token_ids: list[int]) -> int:
@@ -136,15 +165,26 @@ class LLMEngine:
             out = self.runner.execute(sched)
         except Exception as e:  # the step's requests fail alone; everything else goes on
             return done + self._fail_step(sched, e)
+        for rid, pairs in out.prompt_logprobs.items():
+            self._requests[rid].prompt_logprobs.update(pairs)
         decode_chunks = 0
         for req in self.scheduler.advance(sched):
             if req.num_tokens > req.num_prompt_tokens:
                 decode_chunks += 1
-            req.append_token(out.sampled[req.request_id], out.logprobs.get(req.request_id))
-            reason = check_stop(req, self.eos_token_ids, self.max_model_len, self.tokenizer)
+            if req.params.score_choices:  # the prompt is in: score the candidates now
+                done += self._start_scoring(req, out.choice_logprobs[req.request_id])
+                continue
+            if req.parent is not None:  # a candidate's tokens are scored
+                done += self._child_done(req)
+                continue
+            token = out.sampled[req.request_id]
+            req.append_token(token, out.logprobs.get(req.request_id))
+            reason = self._advance_grammar(req, token) if req.matcher is not None else None
+            reason = reason or check_stop(req, self.eos_token_ids, self.max_model_len, self.tokenizer)
             if reason:
                 self.scheduler.finish(req)
-                req.finish(reason)
+                if reason != "error":
+                    req.finish(reason)
                 done.append(self._finish_output(req))
         s = self._stats
         s.steps += 1
@@ -154,12 +194,71 @@ class LLMEngine:
         s.busy_seconds += time.perf_counter() - t0
         return done
 
+    def _advance_grammar(self, req: Request, token: int) -> str | None:
+        """Move the request's grammar past `token`; 'stop' once the grammar is complete."""
+        m = req.matcher
+        if not m.consume_token(token):
+            req.finish("error", f"the grammar engine refused token {token}: {m.get_error()}")
+            return "error"
+        return "stop" if m.is_stopped() else None
+
+    # ---- scoring: each candidate's log-likelihood, the prompt's KV shared ----------------------
+    def _start_scoring(self, req: Request, first: list[float]) -> list[RequestOutput]:
+        """The prompt's last position gave every candidate's first-token log-prob. Candidates
+        longer than one token go on as children: the prompt plus the candidate, queued first so
+        the prompt's blocks (just computed, now in the prefix cache) are reused, not recomputed."""
+        self.scheduler.finish(req)  # its blocks stay findable in the prefix cache
+        req.status = RequestStatus.SCORING
+        req.choice_logprobs = list(first)
+        start = req.num_prompt_tokens + 1  # the first candidate token is scored already
+        for i, cand in enumerate(req.params.score_choices):
+            if len(cand) == 1:
+                continue
+            child = Request(f"{req.request_id}#{i}", req.prompt_token_ids + list(cand),
+                            SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs_from=start),
+                            parent=req, choice_index=i)
+            self._requests[child.request_id] = child
+            req.pending_children.add(child.request_id)
+            self.scheduler.add(child, front=True)
+        return [] if req.pending_children else [self._finish_scoring(req)]
+
+    def _child_done(self, child: Request) -> list[RequestOutput]:
+        self.scheduler.finish(child)
+        self._finish_child(child)
+        parent = child.parent
+        expected = range(parent.num_prompt_tokens + 1, child.num_prompt_tokens)
+        parent.choice_logprobs[child.choice_index] += sum(child.prompt_logprobs[p] for p in expected)
+        parent.pending_children.discard(child.request_id)
+        return [] if parent.pending_children else [self._finish_scoring(parent)]
+
+    def _finish_child(self, child: Request) -> None:
+        del self._requests[child.request_id]
+        s = self._stats
+        s.prompt_tokens += child.num_prompt_tokens
+        s.cached_prompt_tokens += max(child.num_cached_tokens, 0)
+
+    def _finish_scoring(self, req: Request) -> RequestOutput:
+        scores = req.choice_logprobs
+        best = max(range(len(scores)), key=scores.__getitem__)
+        req.output_token_ids = list(req.params.score_choices[best])
+        req.finish("stop")
+        return self._finish_output(req)
+
     def _fail_step(self, sched, error: Exception) -> list[RequestOutput]:
         failed = []
+        message = f"the model failed on this step: {type(error).__name__}: {error}"
         for chunk in sched.chunks:
-            req = self._requests[chunk.request_id]
+            req = self._requests.get(chunk.request_id)
+            if req is None or req.is_finished:  # a candidate whose request already failed
+                continue
+            if req.parent is not None:  # a candidate fails: its whole request fails
+                self.scheduler.finish(req)
+                self._finish_child(req)
+                req = req.parent
+                req.pending_children.discard(chunk.request_id)
+                self._drop_children(req)
             self.scheduler.finish(req)
-            req.finish("error", f"the model failed on this step: {type(error).__name__}: {error}")
+            req.finish("error", message)
             failed.append(self._finish_output(req))
         self.pool.drop_free_cached()
         return failed
@@ -182,7 +281,16 @@ class LLMEngine:
             output_token_ids=list(ids), text=text, finish_reason=req.finish_reason or "error",
             error=req.error, logprobs=list(req.logprobs) if req.params.logprobs else None,
             num_cached_tokens=cached, num_preemptions=req.num_preemptions,
+            prompt_logprobs=self._prompt_logprobs(req),
+            choice_logprobs=list(req.choice_logprobs) if req.params.score_choices and req.error is None else None,
         )
+
+    @staticmethod
+    def _prompt_logprobs(req: Request) -> list[float] | None:
+        first = req.params.prompt_logprobs_from
+        if first is None or req.error is not None:
+            return None
+        return [req.prompt_logprobs[p] for p in range(first, req.num_prompt_tokens)]
 
     @property
     def stats(self) -> EngineStats:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -19,6 +20,9 @@ class ScheduledChunk:
     sample: bool  # the chunk reaches the request's last token: sample the next one
     params: SamplingParams
     generator: torch.Generator | None = None
+    matcher: Any = None  # the request's grammar state: its token mask applies when sampling
+    # Log-probs to compute inside this chunk: (offset of the predicting token, the target token).
+    score_targets: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def context_len(self) -> int:
@@ -42,6 +46,10 @@ class ModelRunnerOutput:
 
     sampled: dict[str, int]
     logprobs: dict[str, float] = field(default_factory=dict)
+    # Prompt-token log-probs asked through score_targets: request id -> [(token index, log-prob)].
+    prompt_logprobs: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    # For scoring requests: the log-prob of each candidate's first token after the prompt.
+    choice_logprobs: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -57,6 +65,8 @@ class RequestOutput:
     logprobs: list[float] | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    prompt_logprobs: list[float] | None = None  # from params.prompt_logprobs_from on
+    choice_logprobs: list[float] | None = None  # scoring: each candidate's log-likelihood
 
     @property
     def ok(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -13,6 +14,7 @@ from .sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SCORING = "scoring"  # prompt done; waiting for its candidates' log-likelihoods
     FINISHED = "finished"
 
 
@@ -33,6 +35,13 @@ class Request:
     error: str | None = None
     stop_text_len: int | None = None  # output text is cut here when a stop string matched
     first_token_time: float | None = None
+    matcher: Any = None  # the grammar's state (llguidance LLMatcher) when params.grammar is set
+    prompt_logprobs: dict[int, float] = field(default_factory=dict)  # prompt token index -> log-prob
+    # Scoring (params.score_choices): each candidate's log-likelihood, filled as parts arrive.
+    choice_logprobs: list[float] = field(default_factory=list)
+    pending_children: set[str] = field(default_factory=set)
+    parent: "Request | None" = None
+    choice_index: int = -1  # which candidate a scoring child computes
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)  # prompt + output, grows

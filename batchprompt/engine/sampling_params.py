@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..structured.grammar import Grammar
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -22,6 +24,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    grammar: Grammar | None = None
+    score_choices: tuple[tuple[int, ...], ...] = ()
+    prompt_logprobs_from: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -35,6 +40,12 @@ class SamplingParams:
         _check(isinstance(self.top_k, int) and self.top_k >= 0,
                f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        object.__setattr__(self, "score_choices", tuple(tuple(c) for c in self.score_choices))
+        _check(all(self.score_choices), "score_choices must be non-empty token id lists")
+        _check(not (self.grammar is not None and self.score_choices),
+               "give either a grammar or score_choices, not both")
+        _check(self.prompt_logprobs_from is None or self.prompt_logprobs_from >= 1,
+               "prompt_logprobs_from must be >= 1 (the first token has no log-prob)")
         _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
 
     @property

@@ -34,8 +34,13 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
 
-    def add(self, request: Request) -> None:
-        self.waiting.append(request)
+    def add(self, request: Request, front: bool = False) -> None:
+        """Queue a request; `front` puts it ahead of the others (a scoring request's
+        candidates, admitted while the prompt's blocks are still in the prefix cache)."""
+        if front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     @property
     def has_work(self) -> bool:
@@ -69,6 +74,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             hits = self.kv.find_cached_prefix(req)
+            first = req.params.prompt_logprobs_from
+            if first is not None:  # positions whose log-probs are asked must be computed
+                hits = hits[:(first - 1) // self.kv.block_size]
             cached = len(hits) * self.kv.block_size
             n = min(req.num_tokens - cached, budget)
             if not self.kv.allocate(req, cached + n, hits, admitting=True):
@@ -94,6 +102,8 @@ class Scheduler:
             sample=start + n == req.num_tokens,
             params=req.params,
             generator=req.generator,
+            matcher=req.matcher,
+            score_targets=_score_targets(req, start, n),
         )
 
     def _preempt(self, req: Request) -> None:
@@ -123,3 +133,12 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
+
+
+def _score_targets(req: Request, start: int, n: int) -> list[tuple[int, int]]:
+    """Positions in this chunk whose next token is a prompt token to score (prompt_logprobs_from)."""
+    first = req.params.prompt_logprobs_from
+    if first is None:
+        return []
+    lo, hi = max(start, first - 1), min(start + n, req.num_prompt_tokens - 1)
+    return [(p - start, req.token_ids[p + 1]) for p in range(lo, hi)]

@@ -16,7 +16,9 @@ CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
 COMPLETION_OR_CHAT = "plain"  # plain JSONL: a "prompt" string is a user turn (chat template applies)
 #: Body fields we act on; others (model, user, metadata, ...) are accepted and ignored.
 KNOWN_FIELDS = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-                "seed", "stop", "n", "logprobs", "top_logprobs", "top_k"}
+                "seed", "stop", "n", "logprobs", "top_logprobs", "top_k",
+                "response_format", "guided_choice", "guided_regex", "guided_json", "guided_grammar",
+                "structured_outputs", "choice_mode"}
 
 
 class InputError(Exception):

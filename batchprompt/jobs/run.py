@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..api.batch import Batch, Prepared
 from ..api.result import Result
+from ..api.structured import OutputSpec
 from ..api.service import EngineService, get_service
 from ..engine import SamplingParams
 from ..models.tokenizer import cache_dir
@@ -41,6 +42,8 @@ class JobOptions:
     journal: str | None = None  # default: OUTPUT.journal (or the cache, for stdout)
     calibration_rows: int = 64
     engine_options: dict = field(default_factory=dict)
+    # Structured output for rows whose body asks for none (OutputSpec.from_options keywords).
+    structured: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -83,7 +86,7 @@ def default_errors_path(output: str) -> str | None:
 def fingerprint(raw: bytes, opts: JobOptions) -> str:
     h = hashlib.sha256(raw)
     h.update(json.dumps([opts.model, opts.system, opts.max_tokens, opts.temperature, opts.seed,
-                         opts.column, opts.format]).encode())
+                         opts.column, opts.format, opts.structured], sort_keys=True).encode())
     return h.hexdigest()
 
 
@@ -106,6 +109,21 @@ class Pending:
     row: Row
     n: int
     choices: list[Result | None]
+
+
+def row_spec(row: Row, opts: JobOptions) -> OutputSpec | None:
+    """The row's structured output: OpenAI's response_format, vLLM's guided_* fields or its
+    structured_outputs object; the command's --choices/--regex/--json-schema when none."""
+    b = row.body
+    so = b.get("structured_outputs") or {}
+    if not isinstance(so, dict):
+        raise ValueError("structured_outputs must be an object such as {\"choice\": [...]}")
+    asked = {"choices": b.get("guided_choice", so.get("choice")), "regex": b.get("guided_regex", so.get("regex")),
+             "json_schema": b.get("guided_json", so.get("json")),
+             "grammar": b.get("guided_grammar", so.get("grammar")), "response_format": b.get("response_format")}
+    if all(v is None for v in asked.values()):
+        asked = {k: v for k, v in opts.structured.items() if k != "choice_mode"}
+    return OutputSpec.from_options(choice_mode=b.get("choice_mode", opts.structured.get("choice_mode")), **asked)
 
 
 def row_params(row: Row, opts: JobOptions) -> tuple[SamplingParams, int]:
@@ -233,6 +251,9 @@ class JobRun:
         for row in todo:
             try:
                 params, n = row_params(row, self.opts)
+                spec = row_spec(row, self.opts)
+                if spec is not None:
+                    params = spec.sampling_params(params, tok)
                 ids = render(row, tok, self.opts.system)
             except (TypeError, ValueError, KeyError) as e:
                 if journal is not None:
@@ -251,7 +272,7 @@ class JobRun:
                     continue
                 if key is not None:
                     shared[key] = len(items)
-                items.append(Prepared(len(items), ids, cp))
+                items.append(Prepared(len(items), ids, cp, spec=spec))
                 owners.append([(p, choice)])
         return items, owners
 

@@ -19,6 +19,10 @@ class ModelInputs:
     attention: AttentionMetadata
     logits_index: torch.Tensor  # flat index of the last token of each sampling chunk
     sampling_chunks: list[ScheduledChunk]
+    # Prompt tokens to score: flat index of the predicting token, the target, (request, position).
+    score_index: torch.Tensor | None = None
+    score_tokens: torch.Tensor | None = None
+    score_owners: list[tuple[str, int]] | None = None
 
 
 def build_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.device) -> ModelInputs:
@@ -38,13 +42,19 @@ def build_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.de
     sampling = [(i, c) for i, c in enumerate(chunks) if c.sample]
     groups = [_group(chunks, offsets, members, block_size, device) for members in plan]
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-    return ModelInputs(
+    inputs = ModelInputs(
         input_ids=as_long(ids),
         positions=as_long(positions),
         attention=AttentionMetadata(as_long(slots), groups, len(ids)),
         logits_index=as_long([offsets[i] + len(c.token_ids) - 1 for i, c in sampling]),
         sampling_chunks=[c for _, c in sampling],
     )
+    scored = [(i, off, tok) for i, c in enumerate(chunks) for off, tok in c.score_targets]
+    if scored:
+        inputs.score_index = as_long([offsets[i] + off for i, off, _ in scored])
+        inputs.score_tokens = as_long([tok for _, _, tok in scored])
+        inputs.score_owners = [(chunks[i].request_id, chunks[i].start + off + 1) for i, off, _ in scored]
+    return inputs
 
 
 def _plan_groups(chunks: list[ScheduledChunk]) -> list[list[int]]:

@@ -25,12 +25,29 @@ class ModelRunner:
         self.kv.ensure(sched.num_blocks, self.max_blocks)
         inputs = build_inputs(sched.chunks, self.block_size, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv.layers, inputs.attention)
-        if not inputs.sampling_chunks:
-            return ModelRunnerOutput({})
-        logits = self.model.logits(hidden.index_select(0, inputs.logits_index))
-        tokens, logprobs = sample(logits, inputs.sampling_chunks)
-        ids = [c.request_id for c in inputs.sampling_chunks]
-        return ModelRunnerOutput(
-            sampled=dict(zip(ids, tokens)),
-            logprobs={i: lp for i, lp in zip(ids, logprobs) if lp is not None},
-        )
+        out = ModelRunnerOutput({})
+        rows = inputs.logits_index
+        if inputs.score_index is not None:
+            rows = torch.cat([rows, inputs.score_index])
+        if not len(rows):
+            return out
+        logits = self.model.logits(hidden.index_select(0, rows))
+        n = len(inputs.sampling_chunks)
+        if inputs.score_index is not None:
+            lp = torch.log_softmax(logits[n:].float(), dim=-1)
+            picked = lp.gather(1, inputs.score_tokens.unsqueeze(1)).squeeze(1).tolist()
+            for (rid, pos), v in zip(inputs.score_owners, picked):
+                out.prompt_logprobs.setdefault(rid, []).append((pos, v))
+        if not n:
+            return out
+        chunks = inputs.sampling_chunks
+        for i, c in enumerate(chunks):  # scoring requests: each candidate's first token
+            if c.params.score_choices:
+                lp = torch.log_softmax(logits[i].float(), dim=-1)
+                first = torch.tensor([ids[0] for ids in c.params.score_choices], device=lp.device)
+                out.choice_logprobs[c.request_id] = lp.index_select(0, first).tolist()
+        tokens, logprobs = sample(logits[:n], chunks)
+        ids = [c.request_id for c in chunks]
+        out.sampled = dict(zip(ids, tokens))
+        out.logprobs = {i: lp for i, lp in zip(ids, logprobs) if lp is not None}
+        return out

@@ -4,13 +4,23 @@ from __future__ import annotations
 import torch
 
 from ..engine.outputs import ScheduledChunk
+from ..structured.mask import apply_masks
 
 
 def sample(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> tuple[list[int], list[float | None]]:
     """logits [N, V] float32, one row per chunk -> the chosen token and, if asked, its log-prob.
 
-    Log-probs are those of the model's distribution before temperature and filters.
+    Log-probs are those of the model's distribution before temperature, filters and grammar
+    masks. Rows whose chunk has a grammar matcher are masked (in place) to the tokens it allows.
     """
+    want = [i for i, c in enumerate(chunks) if c.params.logprobs]
+    raw_lp = None
+    if want:
+        idx = torch.tensor(want, device=logits.device)
+        raw_lp = torch.log_softmax(logits.index_select(0, idx), dim=-1)
+    constrained = [i for i, c in enumerate(chunks) if c.matcher is not None]
+    if constrained:
+        apply_masks(logits, constrained, [chunks[i].matcher for i in constrained])
     tokens = logits.argmax(dim=-1)
     sampled_rows = [i for i, c in enumerate(chunks) if not c.params.greedy]
     if sampled_rows:
@@ -25,12 +35,9 @@ def sample(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> tuple[list[int
             if gen is not None:  # own stream: same draws whatever else is in the batch
                 tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
     chosen = tokens.tolist()
-    want = [i for i, c in enumerate(chunks) if c.params.logprobs]
     logprobs: list[float | None] = [None] * len(chunks)
-    if want:
-        idx = torch.tensor(want, device=logits.device)
-        lp = torch.log_softmax(logits.index_select(0, idx), dim=-1)
-        picked = lp.gather(1, tokens.index_select(0, idx).unsqueeze(1)).squeeze(1).tolist()
+    if raw_lp is not None:
+        picked = raw_lp.gather(1, tokens.index_select(0, idx).unsqueeze(1)).squeeze(1).tolist()
         for i, v in zip(want, picked):
             logprobs[i] = v
     return chosen, logprobs

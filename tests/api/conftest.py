@@ -8,11 +8,6 @@ import batchprompt as bp
 from ..conftest import SPAM_SYSTEM, sms_rows
 
 
-@pytest.fixture(scope="session")
-def engine32():
-    return bp.LLMEngine.from_pretrained(dtype="float32", max_num_batched_tokens=1024)
-
-
 @pytest.fixture()
 def lm(engine32):
     session = bp.LanguageModel.create(system=SPAM_SYSTEM, model=engine32, max_tokens=6)

@@ -1,0 +1,144 @@
+"""OutputSpec: the structured-output options of a call (choices, regex, JSON schema, Lark
+grammar, OpenAI's response_format) turned into engine parameters, and results checked and
+parsed on the way back."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+from ..engine import SamplingParams
+from ..structured import Grammar
+from ..structured.grammar import check_choices
+from .result import Result
+
+CHOICE_MODES = ("score", "decode")
+#: JSON output without free whitespace: fewer tokens, and more of them forced by the schema.
+JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """At most one constraint per call. With `labels`, `choice_mode` says how a label is picked:
+    "decode" (the default, as vLLM's guided_choice) generates under a grammar that admits only
+    the labels; "score" computes every label's log-likelihood after the prompt (one prefill,
+    the labels share its KV) and returns the most likely, with every label's probability."""
+
+    grammar: Grammar | None = None
+    labels: tuple[str, ...] = ()
+    choice_mode: str = "decode"
+    model_class: Any = None  # a pydantic model class: results parse into instances
+
+    @classmethod
+    def from_options(cls, *, choices: Sequence[str] | None = None, choice_mode: str | None = None,
+                     regex: str | None = None, json_schema: Any = None, response_format: Any = None,
+                     grammar: str | None = None) -> "OutputSpec | None":
+        """None when no option asks for structure; ValueError naming the bad option otherwise."""
+        mode = choice_mode or "decode"
+        if mode not in CHOICE_MODES:
+            raise ValueError(f"choice_mode must be 'score' or 'decode', got {choice_mode!r}")
+        if response_format is not None:
+            json_schema = _from_response_format(response_format, json_schema)
+        given = [n for n, v in (("choices", choices), ("regex", regex), ("json_schema", json_schema),
+                                ("grammar", grammar)) if v is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one structured-output option per call, got {' and '.join(given)}")
+        if choices is not None:
+            labels = tuple(check_choices(choices))
+            return cls(Grammar.choices(labels) if mode == "decode" else None, labels, mode)
+        if regex is not None:
+            return cls(Grammar.regex(regex))
+        if grammar is not None:
+            return cls(Grammar.lark(grammar))
+        if json_schema is not None:
+            if json_schema == "json_object":
+                return cls(Grammar.json_object(JSON_DEFAULTS))
+            model_class = None
+            if isinstance(json_schema, type) and hasattr(json_schema, "model_json_schema"):
+                model_class, json_schema = json_schema, _closed(json_schema.model_json_schema())
+            return cls(Grammar.json_schema(_with_json_defaults(json_schema)), model_class=model_class)
+        return None
+
+    def sampling_params(self, params: SamplingParams, tokenizer) -> SamplingParams:
+        """`params` with this constraint applied (the tokenizer turns labels into token ids)."""
+        if self.labels and self.choice_mode == "score":
+            ids = tuple(tuple(tokenizer.encode(c)) for c in self.labels)
+            return replace(params, score_choices=ids, max_tokens=1, stop=())
+        if self.labels:  # a label can take at most one token per byte, whatever the tokenization
+            longest = max(len(c.encode()) for c in self.labels)
+            return replace(params, grammar=self.grammar, max_tokens=longest + 1)
+        return replace(params, grammar=self.grammar)
+
+    def finish(self, result: Result, choice_logprobs: list[float] | None = None) -> Result:
+        """Check and parse a finished result: a label with its probabilities, parsed JSON, or a
+        clear error when the output was cut before it completed its grammar."""
+        if result.error is not None:
+            return result
+        if self.labels and choice_logprobs is not None:
+            top = max(choice_logprobs)
+            weights = [math.exp(v - top) for v in choice_logprobs]
+            total = sum(weights)
+            probs = {label: w / total for label, w in zip(self.labels, weights)}
+            best = max(range(len(self.labels)), key=choice_logprobs.__getitem__)
+            return replace(result, text=self.labels[best], choice_probs=probs)
+        if result.finish_reason == "length":
+            kind = "choices" if self.labels else self.grammar.kind
+            return replace(result, error=f"the output reached max_tokens ({result.usage.completion_tokens}) "
+                                         f"before it completed the {kind}: raise max_tokens")
+        if self.labels:
+            return result
+        if self.grammar.is_json:
+            try:
+                parsed = (self.model_class.model_validate_json(result.text) if self.model_class is not None
+                          else json.loads(result.text))
+            except ValueError as e:  # json.JSONDecodeError and pydantic's ValidationError
+                return replace(result, error=f"the output does not parse as the schema asks: {e}")
+            return replace(result, parsed=parsed)
+        return result
+
+
+def _from_response_format(fmt: Any, json_schema: Any) -> Any:
+    """OpenAI's response_format ({"type": "json_schema", "json_schema": {"schema": ...}},
+    {"type": "json_object"}, {"type": "text"}) or a pydantic class, as a json_schema option."""
+    if json_schema is not None:
+        raise ValueError("give either response_format or json_schema, not both")
+    if isinstance(fmt, type):
+        return fmt
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json_object"
+    if kind == "json_schema":
+        inner = fmt.get("json_schema")
+        if isinstance(inner, dict) and isinstance(inner.get("schema"), dict):
+            return inner["schema"]
+        raise ValueError('response_format of type json_schema needs {"json_schema": {"name": ..., '
+                         '"schema": {...}}}')
+    raise ValueError(f'response_format must be {{"type": "json_schema", "json_schema": {{...}}}}, '
+                     f'{{"type": "json_object"}}, {{"type": "text"}} or a pydantic model class; got {fmt!r}')
+
+
+def _closed(schema: Any) -> Any:
+    """A pydantic schema with no extra properties on any object (as OpenAI's strict mode):
+    the model must not wander into keys the class would drop."""
+    if isinstance(schema, dict):
+        schema = {k: _closed(v) for k, v in schema.items()}
+        if schema.get("type") == "object" and "additionalProperties" not in schema:
+            schema["additionalProperties"] = False
+    elif isinstance(schema, list):
+        schema = [_closed(v) for v in schema]
+    return schema
+
+
+def _with_json_defaults(schema: Any) -> Any:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json_schema is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        return schema  # Grammar.json_schema names the problem
+    guidance = {**JSON_DEFAULTS, **schema.get("x-guidance", {})}
+    return {**schema, "x-guidance": guidance}

@@ -1,0 +1,69 @@
+"""GrammarCompiler: grammars to llguidance matchers for one tokenizer, compiled once each."""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Iterable
+
+from .grammar import Grammar
+
+
+class GrammarError(ValueError):
+    """The grammar engine rejected a grammar (a bad regex, an unsupported schema feature)."""
+
+
+class GrammarCompiler:
+    """Builds llguidance's view of the vocabulary on first use (about a second), so requests
+    without a grammar never pay for it. Each distinct grammar is validated and compiled once;
+    every request gets a cheap copy of the compiled matcher."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: Iterable[int], cache_size: int = 256):
+        self._hf = hf_tokenizer
+        self._vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._tokenizer = None
+        self._compiled: OrderedDict[Grammar, object] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            import llguidance.hf
+
+            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self._vocab_size,
+                                                           eos_token=self._eos or None)
+        return self._tokenizer
+
+    def matcher(self, grammar: Grammar):
+        """A fresh matcher at the start of `grammar`; GrammarError if it cannot be compiled."""
+        with self._lock:
+            template = self._compiled.get(grammar)
+            if template is None:
+                try:
+                    template = self._compile(grammar)
+                except GrammarError as e:  # remembered: a batch repeats its grammar many times
+                    template = e
+                self._compiled[grammar] = template
+                if len(self._compiled) > self._cache_size:
+                    self._compiled.popitem(last=False)
+            else:
+                self._compiled.move_to_end(grammar)
+        if isinstance(template, GrammarError):
+            raise template
+        return template.deep_copy()
+
+    def _compile(self, grammar: Grammar):
+        from llguidance import LLMatcher
+
+        try:
+            text = grammar.to_llguidance()
+        except ValueError as e:
+            raise GrammarError(f"the {grammar.kind} cannot be used: {e}") from None
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(text, self.tokenizer)
+        if is_error:
+            raise GrammarError(f"the grammar engine rejected the {grammar.kind}: {messages[0].strip()}")
+        matcher = LLMatcher(self.tokenizer, text, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"the grammar engine rejected the {grammar.kind}: {matcher.get_error()}")
+        return matcher

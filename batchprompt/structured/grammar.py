@@ -1,0 +1,96 @@
+"""Grammar: what a constrained request's output must match, as plain hashable data."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+KINDS = ("choices", "regex", "json_schema", "json_object", "lark")
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """`kind` is one of KINDS; `source` is its text (a regex, Lark, or JSON for the others).
+
+    Frozen and hashable: the engine compiles each distinct grammar once and copies the
+    compiled matcher for every request that uses it."""
+
+    kind: str
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown grammar kind {self.kind!r}; the kinds are: {', '.join(KINDS)}")
+
+    @classmethod
+    def choices(cls, labels: Sequence[str]) -> "Grammar":
+        labels = check_choices(labels)
+        return cls("choices", json.dumps(labels))
+
+    @classmethod
+    def regex(cls, pattern: str) -> "Grammar":
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"regex must be a non-empty string, got {pattern!r}")
+        return cls("regex", pattern)
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | str) -> "Grammar":
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"json_schema is not valid JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise ValueError(f"json_schema must be a dict (a JSON schema) or a pydantic model class, "
+                             f"got {type(schema).__name__}")
+        return cls("json_schema", json.dumps(schema))  # key order kept: properties come in it
+
+    @classmethod
+    def json_object(cls, options: dict[str, Any] | None = None) -> "Grammar":
+        """Any JSON object; `options` go to llguidance's JSON compiler ("x-guidance")."""
+        schema: dict[str, Any] = {"type": "object"}
+        if options:
+            schema["x-guidance"] = options
+        return cls("json_object", json.dumps(schema))
+
+    @classmethod
+    def lark(cls, text: str) -> "Grammar":
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("grammar must be a non-empty Lark grammar string")
+        return cls("lark", text)
+
+    @property
+    def is_json(self) -> bool:
+        return self.kind in ("json_schema", "json_object")
+
+    def labels(self) -> list[str]:
+        return json.loads(self.source) if self.kind == "choices" else []
+
+    def to_llguidance(self) -> str:
+        """The grammar in llguidance's own format."""
+        from llguidance import LLMatcher
+
+        if self.kind == "choices":
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.labels()))
+        if self.kind == "regex":
+            return LLMatcher.grammar_from_regex(self.source)
+        if self.kind == "lark":
+            return LLMatcher.grammar_from_lark(self.source)
+        return LLMatcher.grammar_from_json_schema(self.source)
+
+    def describe(self) -> str:
+        shown = self.source if len(self.source) <= 80 else self.source[:77] + "..."
+        return f"{self.kind} {shown}"
+
+
+def check_choices(labels: Sequence[str]) -> list[str]:
+    if isinstance(labels, str) or not isinstance(labels, Sequence):
+        raise ValueError(f"choices must be a list of strings, got {labels!r}")
+    labels = list(labels)
+    if len(labels) < 2:
+        raise ValueError(f"choices needs at least two labels, got {labels!r}")
+    if not all(isinstance(c, str) and c for c in labels):
+        raise ValueError(f"choices must be non-empty strings, got {labels!r}")
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"choices has duplicates: {labels!r}")
+    return labels

@@ -1,0 +1,129 @@
+"""Structured output through the batch API: choices (both ways), regex, JSON schema,
+pydantic classes and OpenAI's response_format, on the embedded model in float32."""
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Literal
+
+import jsonschema
+import pydantic
+import pytest
+
+import batchprompt as bp
+
+from ..conftest import SPAM_SYSTEM
+
+SCHEMA = {"type": "object",
+          "properties": {"sender": {"enum": ["person", "business", "unknown"]},
+                         "urgency": {"type": "integer", "minimum": 1, "maximum": 5},
+                         "contains_link": {"type": "boolean"},
+                         "summary": {"type": "string", "maxLength": 40}},
+          "required": ["sender", "urgency", "contains_link", "summary"], "additionalProperties": False}
+
+
+class Fields(pydantic.BaseModel):
+    sender_type: Literal["person", "business", "unknown"]
+    urgency: Literal["low", "medium", "high"]
+    contains_link: bool
+
+
+@pytest.mark.parametrize("mode", ["decode", "score"])
+def test_every_answer_is_one_of_the_choices(lm, messages, mode):
+    labels = ["spam", "ham", "not sure"]
+    results = lm.batch_prompt(messages, choices=labels, choice_mode=mode)
+    assert all(r.ok and r.text in labels for r in results)
+    if mode == "score":
+        for r in results:
+            assert set(r.choice_probs) == set(labels)
+            assert math.isclose(sum(r.choice_probs.values()), 1.0, rel_tol=1e-6)
+            assert r.text == max(r.choice_probs, key=r.choice_probs.get)
+    else:
+        assert all(r.choice_probs is None and r.finish_reason == "stop" for r in results)
+
+
+def test_choices_set_on_the_session_and_overridden_per_call(engine32, messages):
+    with bp.LanguageModel.create(system=SPAM_SYSTEM, model=engine32, choices=["spam", "ham"]) as lm:
+        assert all(r.text in ("spam", "ham") for r in lm.batch_prompt(messages[:4]))
+        free = lm.batch_prompt(messages[:4], response_format={"type": "text"}, max_tokens=6)
+        assert any(r.text not in ("spam", "ham") for r in free)
+        assert lm.prompt(messages[0], choices=["yes", "no"]) in ("yes", "no")
+
+
+def test_scored_probabilities_are_the_model_s_likelihoods(lm, engine32, messages):
+    """Check one item by hand: the probability of each label is its normalised likelihood
+    under the model, computed here with prompt log-probs over prompt + label."""
+    r = lm.batch_prompt(messages[:1], choices=["spam", "ham"], choice_mode="score")[0]
+    tok = engine32.tokenizer
+    prompt = tok.encode_prompt(messages[0], SPAM_SYSTEM)
+    lls = []
+    for label in ("spam", "ham"):
+        out = engine32.generate([prompt + tok.encode(label)],
+                                bp.SamplingParams(max_tokens=1, temperature=0, prompt_logprobs_from=len(prompt)))[0]
+        lls.append(sum(out.prompt_logprobs))
+    z = sum(math.exp(v) for v in lls)
+    assert r.choice_probs["spam"] == pytest.approx(math.exp(lls[0]) / z, rel=1e-3)
+
+
+def test_json_schema_outputs_validate(lm, messages):
+    results = lm.batch_prompt([m + "\nDescribe this message in JSON." for m in messages[:12]],
+                              json_schema=SCHEMA, max_tokens=80)
+    for r in results:
+        assert r.ok, r.error
+        jsonschema.validate(json.loads(r.text), SCHEMA)
+        assert r.parsed == json.loads(r.text)
+
+
+def test_pydantic_class_results_parse_into_instances(lm, messages):
+    results = lm.batch_prompt(messages[:8], json_schema=Fields, max_tokens=60)
+    assert all(r.ok and isinstance(r.parsed, Fields) for r in results)
+    via_openai = lm.batch_prompt(messages[:2], response_format=Fields, max_tokens=60)
+    assert [r.parsed for r in via_openai] == [r.parsed for r in results[:2]]
+
+
+def test_openai_response_format_shapes(lm, messages):
+    fmt = {"type": "json_schema", "json_schema": {"name": "fields", "schema": SCHEMA, "strict": True}}
+    for r in lm.batch_prompt(messages[:3], response_format=fmt, max_tokens=80):
+        jsonschema.validate(r.parsed, SCHEMA)
+    # Any object: a 135M model sometimes rambles on inside it until max_tokens (a clear error);
+    # every answer it completes is a JSON object.
+    asks = [m + "\nAnswer in JSON with keys label and reason." for m in messages[:8]]
+    results = lm.batch_prompt(asks, response_format={"type": "json_object"}, max_tokens=60)
+    assert sum(r.ok for r in results) >= 4
+    for r in results:
+        if r.ok:
+            assert isinstance(r.parsed, dict) and r.parsed == json.loads(r.text)
+        else:
+            assert "raise max_tokens" in r.error
+
+
+def test_regex_outputs_match(lm, messages):
+    pattern = r"(spam|ham) \([0-9]{1,2}%\)"
+    for r in lm.batch_prompt(messages[:8], regex=pattern, max_tokens=12):
+        assert r.ok and re.fullmatch(pattern, r.text), r.text
+
+
+def test_a_rejected_schema_fails_its_own_call_only(lm, messages):
+    bad = {"type": "object", "properties": {"a": {"type": "strin"}}}
+    batch_bad = lm.create_batch(messages[:3], json_schema=bad).start()
+    good = lm.batch_prompt(messages[:3], choices=["spam", "ham"])
+    assert all(r.ok for r in good)
+    for r in batch_bad.wait():
+        assert not r.ok and "json_schema" in r.error and "strin" in r.error
+
+
+def test_output_cut_by_max_tokens_is_a_clear_error(lm, messages):
+    r = lm.batch_prompt(messages[:1], json_schema=SCHEMA, max_tokens=5)[0]
+    assert not r.ok and "raise max_tokens" in r.error and r.text  # the partial text is kept
+
+
+def test_bad_structured_options_are_clear_errors(lm, messages):
+    with pytest.raises(ValueError, match="one structured-output option"):
+        lm.batch_prompt(messages[:1], choices=["a", "b"], regex="a")
+    with pytest.raises(ValueError, match="choice_mode"):
+        lm.batch_prompt(messages[:1], choices=["a", "b"], choice_mode="vote")
+    with pytest.raises(ValueError, match="response_format"):
+        lm.batch_prompt(messages[:1], response_format={"type": "xml"})
+    with pytest.raises(ValueError, match="at least two"):
+        lm.batch_prompt(messages[:1], choices=["only"])

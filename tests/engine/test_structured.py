@@ -1,0 +1,109 @@
+"""Structured output in the engine: scoring candidates (tiny random Llama), and grammar
+masks in the sampling step (embedded model)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchprompt import EngineConfig, LLMEngine, SamplingParams
+from batchprompt.runner.kv_tensors import KVTensors
+from batchprompt.structured import Grammar
+
+from ..conftest import SPAM_SYSTEM, full_logits, sms_rows
+from .test_engine import engine, prompts, tiny_model  # noqa: F401  (fixture)
+
+CANDIDATES = ((5,), (7, 8), (7, 9, 10), (11, 12, 13, 14))
+
+
+def reference_scores(model, prompt: list[int]) -> list[float]:
+    """Each candidate's log-likelihood from one full forward pass over prompt + candidate."""
+    scores = []
+    for cand in CANDIDATES:
+        seq = prompt + list(cand)
+        lp = torch.log_softmax(full_logits(model, seq), dim=-1)
+        scores.append(sum(float(lp[len(prompt) - 1 + j, t]) for j, t in enumerate(cand)))
+    return scores
+
+
+def test_scores_equal_full_sequence_log_likelihoods(tiny_model):
+    ps = prompts(6)
+    eng = engine(tiny_model, max_num_batched_tokens=48)  # long prompts are chunked
+    outs = eng.generate(ps, SamplingParams(max_tokens=1, temperature=0, score_choices=CANDIDATES))
+    for p, out in zip(ps, outs):
+        ref = reference_scores(tiny_model, p)
+        assert out.choice_logprobs == pytest.approx(ref, abs=1e-4)
+        assert out.output_token_ids == list(CANDIDATES[max(range(4), key=ref.__getitem__)])
+        assert out.finish_reason == "stop"
+    assert eng.pool.num_used == 0
+
+
+def test_candidates_reuse_the_prompts_kv(tiny_model):
+    p = prompts(1, shared=0)[0] + list(range(20, 60))  # 40+ tokens: many full blocks
+    eng = engine(tiny_model)
+    eng.generate([p], SamplingParams(max_tokens=1, temperature=0, score_choices=CANDIDATES))
+    s = eng.stats
+    # Three candidates run past the first token; each finds the prompt's full blocks cached.
+    full = len(p) // eng.config.block_size * eng.config.block_size
+    assert s.cached_prompt_tokens >= 3 * full
+    assert s.prefill_tokens < len(p) + 3 * (eng.config.block_size + 4)
+
+
+def test_scoring_survives_preemption_and_abort(tiny_model):
+    ps = prompts(10)
+    params = SamplingParams(max_tokens=1, temperature=0, score_choices=CANDIDATES)
+    ref = [o.choice_logprobs for o in engine(tiny_model).generate(ps, params)]
+    per_block = KVTensors.bytes_per_block(tiny_model.args, EngineConfig().block_size, torch.float32)
+    eng = engine(tiny_model, kv_cache_memory=40 * per_block, watermark=0.0, max_num_batched_tokens=32)
+    mixed = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)] * 4
+    outs = eng.generate(ps + prompts(4), [params] * len(ps) + mixed)
+    assert eng.stats.preemptions > 0
+    for o, r in zip(outs, ref):
+        assert o.choice_logprobs == pytest.approx(r, abs=1e-4)
+    ids = [eng.add_request(p, params) for p in ps]
+    for _ in range(3):
+        eng.step()
+    for i in ids:
+        eng.abort(i)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.pool.num_used == 0
+
+
+def test_grammar_requests_mix_with_free_ones(engine32):
+    tok = engine32.tokenizer
+    ps = [tok.encode_prompt(text, SPAM_SYSTEM) for _, text in sms_rows(8)]
+    free = SamplingParams(max_tokens=10, temperature=0)
+    alone = [o.output_token_ids for o in engine32.generate(ps, free)]
+    choice = SamplingParams(max_tokens=8, temperature=0, grammar=Grammar.choices(["spam", "ham"]))
+    bad = SamplingParams(max_tokens=8, temperature=0, grammar=Grammar.regex("a(b"))
+    plist = [free, choice, bad] * 8
+    outs = engine32.generate([p for p in ps for _ in range(3)], plist)
+    for i, p in enumerate(ps):
+        f, c, b = outs[3 * i: 3 * i + 3]
+        assert f.output_token_ids == alone[i]  # requests without a grammar are untouched
+        assert c.text in ("spam", "ham") and c.finish_reason == "stop"
+        assert b.error and "regex" in b.error and "unclosed group" in b.error
+
+
+def test_greedy_constrained_output_is_the_same_alone_and_in_a_batch(engine32):
+    tok = engine32.tokenizer
+    schema = Grammar.json_schema({"type": "object", "properties": {"spam": {"type": "boolean"},
+                                  "topic": {"type": "string", "maxLength": 20}}, "required": ["spam", "topic"]})
+    params = SamplingParams(max_tokens=40, temperature=0, grammar=schema)
+    ps = [tok.encode_prompt(text + "\nAnswer in JSON.", SPAM_SYSTEM) for _, text in sms_rows(12)]
+    together = engine32.generate(ps, params)
+    for p, out in zip(ps, together):
+        assert engine32.generate([p], params)[0].output_token_ids == out.output_token_ids
+
+
+def test_grammar_state_survives_preemption(engine32):
+    tok = engine32.tokenizer
+    model = engine32.model
+    ps = [tok.encode_prompt(text, "Answer with a number.") for _, text in sms_rows(10)]
+    params = SamplingParams(max_tokens=12, temperature=0, grammar=Grammar.regex(r"[0-9]{3,6}(\.[0-9]+)?"))
+    ref = [o.text for o in engine32.generate(ps, params)]
+    per_block = KVTensors.bytes_per_block(model.args, 4, torch.float32)
+    small = LLMEngine(model, tok, EngineConfig(kv_cache_memory=90 * per_block, watermark=0.0))
+    outs = small.generate(ps, params)
+    assert small.stats.preemptions > 0
+    assert [o.text for o in outs] == ref

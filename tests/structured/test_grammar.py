@@ -1,0 +1,76 @@
+"""Grammars, their compilation by llguidance, and the token masks they give."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchprompt.structured import Grammar, GrammarCompiler, GrammarError
+from batchprompt.structured.mask import allowed_tokens
+
+
+@pytest.fixture(scope="module")
+def compiler(engine32):
+    tok = engine32.tokenizer
+    return GrammarCompiler(tok.hf, engine32.model.args.vocab_size, tok.eos_token_ids)
+
+
+def test_grammar_constructors_check_their_input():
+    with pytest.raises(ValueError, match="at least two"):
+        Grammar.choices(["spam"])
+    with pytest.raises(ValueError, match="duplicates"):
+        Grammar.choices(["a", "a"])
+    with pytest.raises(ValueError, match="list of strings"):
+        Grammar.choices("spam,ham")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        Grammar.json_schema("{oops")
+    with pytest.raises(ValueError, match="unknown grammar kind"):
+        Grammar("yaml", "x")
+    # Equal schemas are equal grammars (compiled once); properties keep their order.
+    assert Grammar.json_schema({"a": 1, "b": 2}) == Grammar.json_schema('{"a": 1, "b": 2}')
+    assert Grammar.json_schema({"a": 1, "b": 2}) != Grammar.json_schema('{"b": 2, "a": 1}')
+
+
+@pytest.mark.parametrize("grammar, message", [
+    (Grammar.regex("a(b"), "unclosed group"),
+    (Grammar.json_schema({"type": "object", "properties": {"a": {"type": "strin"}}}), "strin"),
+    (Grammar.lark("start: missing_rule"), "missing_rule"),
+])
+def test_rejected_grammars_raise_a_clear_error(compiler, grammar, message):
+    with pytest.raises(GrammarError, match=message):
+        compiler.matcher(grammar)
+    with pytest.raises(GrammarError, match=message):  # remembered, still raised
+        compiler.matcher(grammar)
+
+
+def test_each_request_gets_its_own_matcher_state(compiler, engine32):
+    g = Grammar.choices(["spam", "ham"])
+    a, b = compiler.matcher(g), compiler.matcher(g)
+    for t in engine32.tokenizer.encode("ham"):
+        assert a.consume_token(t)
+    assert a.is_stopped() and not b.is_stopped()
+
+
+def test_mask_allows_exactly_the_tokens_the_matcher_accepts(compiler, engine32):
+    tok = engine32.tokenizer
+    vocab = engine32.model.args.vocab_size
+    matchers = [compiler.matcher(Grammar.choices(["spam", "ham"])), compiler.matcher(Grammar.regex(r"[0-9]{2}"))]
+    allowed = allowed_tokens(matchers, vocab, torch.device("cpu"))
+    assert allowed.shape == (2, vocab)
+    labels = {tok.hf.convert_ids_to_tokens(i) for i in allowed[0].nonzero().squeeze(1).tolist()}
+    assert labels == {"s", "sp", "h", "ha", "ham"}  # every token that starts "spam" or "ham"
+    digits = allowed[1].nonzero().squeeze(1).tolist()
+    assert digits and all(tok.decode([i]).isdigit() for i in digits)
+    # Independent check, token by token: the matcher accepts a token iff the mask allows it.
+    for i in list(range(0, vocab, 499)) + digits[:5]:
+        m = matchers[1].deep_copy()
+        assert bool(m.try_consume_tokens([i])) == bool(allowed[1, i]), i
+
+
+def test_eos_is_allowed_only_once_the_grammar_accepts(compiler, engine32):
+    tok = engine32.tokenizer
+    eos = next(iter(tok.eos_token_ids))
+    m = compiler.matcher(Grammar.regex(r"[0-9]{1,3}"))
+    vocab = engine32.model.args.vocab_size
+    assert not allowed_tokens([m], vocab, torch.device("cpu"))[0, eos]
+    assert m.consume_token(tok.encode("7")[0])
+    assert allowed_tokens([m], vocab, torch.device("cpu"))[0, eos]
