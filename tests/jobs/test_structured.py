@@ -1,0 +1,69 @@
+"""Structured output in `batchprompt run`: response_format and vLLM's fields in request
+bodies, the --choices/--json-schema defaults, and a rejected schema failing its row only."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from batchprompt.cli import main
+
+from ..conftest import SPAM_SYSTEM, sms_rows
+from .test_cli import chat_line, parse_outputs
+
+SCHEMA = {"type": "object", "properties": {"spam": {"type": "boolean"}, "reason": {"type": "string", "maxLength": 30}},
+          "required": ["spam", "reason"], "additionalProperties": False}
+
+
+@pytest.mark.slow
+def test_bodies_ask_for_structure_each_their_own_way(tmp_path):
+    rows = [t for _, t in sms_rows(6)]
+    lines = [
+        chat_line(0, rows[0], max_tokens=60, response_format={
+            "type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA, "strict": True}}),
+        chat_line(1, rows[1], guided_choice=["spam", "ham"]),
+        chat_line(2, rows[2], structured_outputs={"regex": "[0-9]{3}"}),
+        chat_line(3, rows[3], max_tokens=60, guided_json={"type": "object", "properties": {"a": {"type": "strin"}}}),
+        chat_line(4, rows[4], max_tokens=60, response_format={"type": "json_object"}),
+        chat_line(5, rows[5], response_format={"type": "json_schema"}),
+    ]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    assert main(["run", str(inp), "-o", str(out), "--no-progress"]) == 1
+    by_id = {o["custom_id"]: o["response"]["body"]["choices"][0]["message"]["content"] for o in parse_outputs(out)}
+    jsonschema.validate(json.loads(by_id["sms-0"]), SCHEMA)
+    assert by_id["sms-1"] in ("spam", "ham")
+    assert len(by_id["sms-2"]) == 3 and by_id["sms-2"].isdigit()
+    if "sms-4" in by_id:  # any JSON object (a small model may also ramble on until max_tokens)
+        assert isinstance(json.loads(by_id["sms-4"]), dict)
+    errors = {e["custom_id"]: e["error"]["message"] for e in map(json.loads, open(f"{out}.errors.jsonl"))}
+    assert set(errors) == {"sms-3", "sms-5"} | ({"sms-4"} if "sms-4" not in by_id else set())
+    assert "strin" in errors["sms-3"] and "line 4" in errors["sms-3"]
+    assert "json_schema" in errors["sms-5"] and "line 6" in errors["sms-5"]
+
+
+@pytest.mark.slow
+def test_choices_for_a_whole_table(tmp_path):
+    csv_in, out = tmp_path / "in.csv", tmp_path / "out.csv"
+    texts = [t.replace('"', "'") for _, t in sms_rows(8)]
+    csv_in.write_text("text\n" + "".join(f'"{t}"\n' for t in texts))
+    args = ["run", str(csv_in), "-o", str(out), "--column", "text", "--format", "table", "--system", SPAM_SYSTEM,
+            "--no-progress"]
+    assert main(args + ["--choices", "spam,ham", "--choice-mode", "score"]) == 0
+    import pyarrow.csv
+    table = pyarrow.csv.read_csv(out).to_pylist()
+    assert len(table) == 8 and all(r["result"] in ("spam", "ham") for r in table)
+
+
+def test_bad_structured_flags_stop_before_any_work(tmp_path, capsys):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "hi"}\n')
+    out = tmp_path / "o.jsonl"
+    assert main(["run", str(inp), "-o", str(out), "--choices", "spam"]) == 2
+    assert "at least two" in capsys.readouterr().err
+    assert main(["run", str(inp), "-o", str(out), "--json-schema", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err
+    assert main(["run", str(inp), "-o", str(out), "--choices", "a,b", "--regex", "x"]) == 2
+    assert "one structured-output option" in capsys.readouterr().err
+    assert not out.exists()
