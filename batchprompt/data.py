@@ -5,6 +5,17 @@ from pathlib import Path
 
 SPAM_SYSTEM = ("You are a spam filter for SMS messages. Read the message and answer with "
                "exactly one word: spam or ham.")
+#: Labelled examples for the shared prompt, as chat turns (the prefix cache makes them free
+#: after the first prompt). Two come from the set itself; evaluations leave those out.
+SPAM_EXAMPLES = [
+    ("spam", "Free entry in 2 a wkly comp to win FA Cup final tkts 21st May 2005. Text FA to 87121 to "
+             "receive entry question(std txt rate)T&C's apply 08452810075over18's"),
+    ("ham", "I'm gonna be home soon and i don't want to talk about this stuff anymore tonight, k? "
+            "I've cried enough today."),
+    ("spam", "URGENT! You have won a 1 week FREE membership in our £100,000 Prize Jackpot! Txt the word: "
+             "CLAIM to No: 81010 T&C www.dbuk.net LCCLTD POBOX 4403LDNW1A7RW18"),
+    ("ham", "Ok lar... Joking wif u oni..."),
+]
 DEFAULT_SMS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "sms_spam.tsv"
 
 
@@ -22,6 +33,14 @@ def read_sms(path: str | Path = DEFAULT_SMS, limit: int | None = None) -> list[t
             if limit is not None and len(rows) >= limit:
                 break
     return rows
+
+
+def example_turns() -> list[dict[str, str]]:
+    """SPAM_EXAMPLES as user/assistant turns, for `initial_prompts`."""
+    turns = []
+    for label, text in SPAM_EXAMPLES:
+        turns += [{"role": "user", "content": text}, {"role": "assistant", "content": label}]
+    return turns
 
 
 def predicted_label(text: str) -> str:

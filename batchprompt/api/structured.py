@@ -45,8 +45,7 @@ class OutputSpec:
         if len(given) > 1:
             raise ValueError(f"give one structured-output option per call, got {' and '.join(given)}")
         if choices is not None:
-            labels = tuple(check_choices(choices))
-            return cls(Grammar.choices(labels) if mode == "decode" else None, labels, mode)
+            return cls(None, tuple(check_choices(choices)), mode)
         if regex is not None:
             return cls(Grammar.regex(regex))
         if grammar is not None:
@@ -62,13 +61,14 @@ class OutputSpec:
 
     def sampling_params(self, params: SamplingParams, tokenizer) -> SamplingParams:
         """`params` with this constraint applied (the tokenizer turns labels into token ids)."""
-        if self.labels and self.choice_mode == "score":
-            ids = tuple(tuple(tokenizer.encode(c)) for c in self.labels)
+        if not self.labels:
+            return replace(params, grammar=self.grammar)
+        # Each label as the tokenizer writes it, in both modes: scoring sums those tokens'
+        # log-probs; decoding may only walk those token sequences (a trie of the labels).
+        ids = tuple(tuple(tokenizer.encode(c)) for c in self.labels)
+        if self.choice_mode == "score":
             return replace(params, score_choices=ids, max_tokens=1, stop=())
-        if self.labels:  # a label can take at most one token per byte, whatever the tokenization
-            longest = max(len(c.encode()) for c in self.labels)
-            return replace(params, grammar=self.grammar, max_tokens=longest + 1)
-        return replace(params, grammar=self.grammar)
+        return replace(params, grammar=Grammar.choices(self.labels, ids), max_tokens=max(map(len, ids)) + 1)
 
     def finish(self, result: Result, choice_logprobs: list[float] | None = None) -> Result:
         """Check and parse a finished result: a label with its probabilities, parsed JSON, or a

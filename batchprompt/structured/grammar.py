@@ -23,9 +23,16 @@ class Grammar:
             raise ValueError(f"unknown grammar kind {self.kind!r}; the kinds are: {', '.join(KINDS)}")
 
     @classmethod
-    def choices(cls, labels: Sequence[str]) -> "Grammar":
-        labels = check_choices(labels)
-        return cls("choices", json.dumps(labels))
+    def choices(cls, labels: Sequence[str], token_ids: Sequence[Sequence[int]] | None = None) -> "Grammar":
+        """Exactly one of `labels`. With `token_ids` (each label's tokens, as the tokenizer
+        writes it), only those token sequences are allowed; without, any tokenization of the
+        text is, which lets a model spell a label in pieces it never saw in training."""
+        data: dict[str, Any] = {"labels": check_choices(labels)}
+        if token_ids is not None:
+            data["tokens"] = [[int(t) for t in ids] for ids in token_ids]
+            if len(data["tokens"]) != len(data["labels"]) or not all(data["tokens"]):
+                raise ValueError("choices: give one non-empty token id list per label")
+        return cls("choices", json.dumps(data))
 
     @classmethod
     def regex(cls, pattern: str) -> "Grammar":
@@ -64,14 +71,19 @@ class Grammar:
         return self.kind in ("json_schema", "json_object")
 
     def labels(self) -> list[str]:
-        return json.loads(self.source) if self.kind == "choices" else []
+        return json.loads(self.source)["labels"] if self.kind == "choices" else []
 
     def to_llguidance(self) -> str:
         """The grammar in llguidance's own format."""
         from llguidance import LLMatcher
 
         if self.kind == "choices":
-            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.labels()))
+            data = json.loads(self.source)
+            if "tokens" in data:  # token-id terminals: <[id]>
+                alternatives = (" ".join(f"<[{t}]>" for t in ids) for ids in data["tokens"])
+            else:
+                alternatives = (json.dumps(c) for c in data["labels"])
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(alternatives))
         if self.kind == "regex":
             return LLMatcher.grammar_from_regex(self.source)
         if self.kind == "lark":

@@ -66,6 +66,21 @@ def test_mask_allows_exactly_the_tokens_the_matcher_accepts(compiler, engine32):
         assert bool(m.try_consume_tokens([i])) == bool(allowed[1, i]), i
 
 
+def test_choices_with_token_ids_walk_only_those_tokens(compiler, engine32):
+    tok = engine32.tokenizer
+    labels = ["spam", "ham", "hamper"]
+    ids = [tok.encode(c) for c in labels]
+    m = compiler.matcher(Grammar.choices(labels, ids))
+    vocab = engine32.model.args.vocab_size
+    first = allowed_tokens([m], vocab, torch.device("cpu"))[0].nonzero().squeeze(1).tolist()
+    assert sorted(first) == sorted({i[0] for i in ids})  # not "s", "h", "ha": only the labels' own tokens
+    for t in ids[1]:
+        assert m.consume_token(t)
+    eos = next(iter(tok.eos_token_ids))
+    after_ham = set(allowed_tokens([m], vocab, torch.device("cpu"))[0].nonzero().squeeze(1).tolist())
+    assert eos in after_ham and (ids[2][1] in after_ham if ids[2][0] == ids[1][0] else True)
+
+
 def test_eos_is_allowed_only_once_the_grammar_accepts(compiler, engine32):
     tok = engine32.tokenizer
     eos = next(iter(tok.eos_token_ids))
