@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test demo bench example-embed clean
+.PHONY: install test demo bench example-embed example-extract clean
 
 install: $(STAMP)
 
@@ -29,6 +29,11 @@ bench: install
 	$(PY) benchmarks/bench_api.py
 	$(PY) benchmarks/bench_jobs.py
 	$(PY) benchmarks/bench_dynamic.py
+	$(PY) benchmarks/bench_structured.py
+
+# fields from 200 SMS into a pydantic model, JSON-schema constrained (issue 6)
+example-extract: install
+	$(PY) examples/extract_fields.py
 
 # dynamic batching of a real embedding model for many concurrent callers (issue 5)
 example-embed: install
