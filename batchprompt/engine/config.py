@@ -20,6 +20,8 @@ class EngineConfig:
     kv_memory_fraction: float = 0.25  # of free memory, when kv_cache_memory is None
     enable_prefix_caching: bool = True
     watermark: float = 0.01  # share of blocks kept free when admitting new requests
+    # Structured output: append the tokens a grammar forces without a decode step for each.
+    jump_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

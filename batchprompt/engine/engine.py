@@ -195,11 +195,22 @@ class LLMEngine:
         return done
 
     def _advance_grammar(self, req: Request, token: int) -> str | None:
-        """Move the request's grammar past `token`; 'stop' once the grammar is complete."""
+        """Move the request's grammar past `token`; 'stop' once the grammar is complete.
+
+        Jump-forward: where the grammar allows one continuation only (a JSON key, the rest of
+        a label), those tokens are appended at once and computed together in the next step,
+        like a piece of prompt, instead of one decode step each."""
         m = req.matcher
         if not m.consume_token(token):
             req.finish("error", f"the grammar engine refused token {token}: {m.get_error()}")
             return "error"
+        p = req.params
+        if self.config.jump_forward and not (m.is_stopped() or p.logprobs or p.stop or p.stop_token_ids):
+            room = min(p.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens)
+            forced = m.compute_ff_tokens()[:max(room, 0)]
+            if forced and m.consume_tokens(forced):
+                for t in forced:
+                    req.append_token(t, None)
         return "stop" if m.is_stopped() else None
 
     # ---- scoring: each candidate's log-likelihood, the prompt's KV shared ----------------------

@@ -107,3 +107,20 @@ def test_grammar_state_survives_preemption(engine32):
     outs = small.generate(ps, params)
     assert small.stats.preemptions > 0
     assert [o.text for o in outs] == ref
+
+
+def test_jump_forward_skips_forced_tokens_and_keeps_the_answers(engine32):
+    tok, model = engine32.tokenizer, engine32.model
+    schema = Grammar.json_schema({"type": "object", "properties": {
+        "sender_type": {"enum": ["person", "business", "automated"]},
+        "urgency": {"enum": ["low", "medium", "high"]}, "contains_link": {"type": "boolean"}},
+        "required": ["sender_type", "urgency", "contains_link"], "additionalProperties": False,
+        "x-guidance": {"whitespace_flexible": False}})
+    params = SamplingParams(max_tokens=40, temperature=0, grammar=schema)
+    ps = [tok.encode_prompt(text + "\nAnswer in JSON.", SPAM_SYSTEM) for _, text in sms_rows(10)]
+    runs = {}
+    for jf in (False, True):
+        eng = LLMEngine(model, tok, EngineConfig(jump_forward=jf))
+        runs[jf] = ([o.text for o in eng.generate(ps, params)], eng.stats.decode_tokens)
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] < runs[False][1] / 2  # the keys and punctuation came without decode steps
