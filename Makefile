@@ -30,6 +30,7 @@ bench: install
 	$(PY) benchmarks/bench_jobs.py
 	$(PY) benchmarks/bench_dynamic.py
 	$(PY) benchmarks/bench_structured.py
+	$(PY) benchmarks/bench_jump_forward.py
 
 # fields from 200 SMS into a pydantic model, JSON-schema constrained (issue 6)
 example-extract: install
