@@ -43,6 +43,15 @@ def example_turns() -> list[dict[str, str]]:
     return turns
 
 
+def label_scores(gold: list[str], predicted: list[str], labels: list[str]) -> dict[str, float]:
+    """Accuracy, and each label's recall (share of its messages predicted as it)."""
+    pairs = list(zip(gold, predicted, strict=True))
+    scores = {"accuracy": sum(g == p for g, p in pairs) / max(len(pairs), 1)}
+    for c in labels:
+        scores[f"{c}_recall"] = sum(p == c for g, p in pairs if g == c) / max(sum(g == c for g in gold), 1)
+    return scores
+
+
 def predicted_label(text: str) -> str:
     """The label an answer names: 'spam' if it says spam, else 'ham'."""
     return "spam" if "spam" in text.lower() else "ham"

@@ -10,7 +10,7 @@ import time
 
 import batchprompt as bp
 
-from .data import DEFAULT_SMS, SPAM_EXAMPLES, SPAM_SYSTEM, example_turns, read_sms
+from .data import DEFAULT_SMS, SPAM_EXAMPLES, SPAM_SYSTEM, example_turns, label_scores, read_sms
 
 LABELS = ["spam", "ham"]
 
@@ -43,13 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r for r in results if not r.ok]
     labelled = sum(r.text in LABELS for r in results)
     n = len(rows)
-    correct = sum(r.text == label for (label, _), r in zip(rows, results))
-    recall = {c: sum(r.text == c for (label, _), r in zip(rows, results) if label == c) /
-              max(1, sum(label == c for label, _ in rows)) for c in LABELS}
+    scores = label_scores([label for label, _ in rows], [r.text for r in results], LABELS)
     print(f"\n{n} messages in {elapsed:.1f}s: {n / elapsed:.1f} prompts/s; {len(failed)} failed; "
           f"{labelled} of {n} answers are exactly one of {LABELS} ({args.choice_mode})")
     ham = sum(label == "ham" for label, _ in rows)
-    print(f"accuracy {correct / n:.1%} (spam recall {recall['spam']:.0%}, ham recall {recall['ham']:.0%}); "
+    print(f"accuracy {scores['accuracy']:.1%} (spam recall {scores['spam_recall']:.0%}, "
+          f"ham recall {scores['ham_recall']:.0%}); "
           f"answering 'ham' to everything would score {ham / n:.1%}. A 135M model is a weak classifier; "
           f"the figure is exact because every answer is a label.")
     print(f"engine: {lm.engine.stats.summary()}")

@@ -18,7 +18,7 @@ import time
 from common import rows_and_repeats, save_results
 
 import batchprompt as bp
-from batchprompt.data import SPAM_EXAMPLES, SPAM_SYSTEM, example_turns, predicted_label, read_sms
+from batchprompt.data import SPAM_EXAMPLES, SPAM_SYSTEM, example_turns, label_scores, predicted_label, read_sms
 
 LABELS = ["spam", "ham"]
 PATHS = {
@@ -31,12 +31,8 @@ PATHS = {
 
 def accuracy(rows, results, exact: bool) -> dict:
     pred = [r.text if exact else predicted_label(r.text) for r in results]
-    out = {"accuracy": sum(p == lab for p, (lab, _) in zip(pred, rows)) / len(rows),
-           "exact_labels": sum(r.text in LABELS for r in results)}
-    for c in LABELS:
-        n = sum(lab == c for lab, _ in rows)
-        out[f"{c}_recall"] = sum(p == lab == c for p, (lab, _) in zip(pred, rows)) / max(n, 1)
-    return out
+    scores = label_scores([lab for lab, _ in rows], pred, LABELS)
+    return {**scores, "exact_labels": sum(r.text in LABELS for r in results)}
 
 
 def main() -> None:

@@ -56,7 +56,7 @@ class OutputSpec:
             model_class = None
             if isinstance(json_schema, type) and hasattr(json_schema, "model_json_schema"):
                 model_class, json_schema = json_schema, _closed(json_schema.model_json_schema())
-            return cls(Grammar.json_schema(_with_json_defaults(json_schema)), model_class=model_class)
+            return cls(Grammar.json_schema(json_schema, JSON_DEFAULTS), model_class=model_class)
         return None
 
     def sampling_params(self, params: SamplingParams, tokenizer) -> SamplingParams:
@@ -131,14 +131,3 @@ def _closed(schema: Any) -> Any:
         schema = [_closed(v) for v in schema]
     return schema
 
-
-def _with_json_defaults(schema: Any) -> Any:
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"json_schema is not valid JSON: {e}") from None
-    if not isinstance(schema, dict):
-        return schema  # Grammar.json_schema names the problem
-    guidance = {**JSON_DEFAULTS, **schema.get("x-guidance", {})}
-    return {**schema, "x-guidance": guidance}

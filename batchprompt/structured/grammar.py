@@ -41,7 +41,9 @@ class Grammar:
         return cls("regex", pattern)
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any] | str) -> "Grammar":
+    def json_schema(cls, schema: dict[str, Any] | str, options: dict[str, Any] | None = None) -> "Grammar":
+        """JSON valid against `schema`; `options` are defaults for llguidance's JSON compiler
+        ("x-guidance"), which the schema's own "x-guidance" overrides."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -50,15 +52,12 @@ class Grammar:
         if not isinstance(schema, dict):
             raise ValueError(f"json_schema must be a dict (a JSON schema) or a pydantic model class, "
                              f"got {type(schema).__name__}")
-        return cls("json_schema", json.dumps(schema))  # key order kept: properties come in it
+        return cls("json_schema", json.dumps(_with_options(schema, options)))  # key order kept
 
     @classmethod
     def json_object(cls, options: dict[str, Any] | None = None) -> "Grammar":
-        """Any JSON object; `options` go to llguidance's JSON compiler ("x-guidance")."""
-        schema: dict[str, Any] = {"type": "object"}
-        if options:
-            schema["x-guidance"] = options
-        return cls("json_object", json.dumps(schema))
+        """Any JSON object; `options` as for json_schema."""
+        return cls("json_object", json.dumps(_with_options({"type": "object"}, options)))
 
     @classmethod
     def lark(cls, text: str) -> "Grammar":
@@ -69,9 +68,6 @@ class Grammar:
     @property
     def is_json(self) -> bool:
         return self.kind in ("json_schema", "json_object")
-
-    def labels(self) -> list[str]:
-        return json.loads(self.source)["labels"] if self.kind == "choices" else []
 
     def to_llguidance(self) -> str:
         """The grammar in llguidance's own format."""
@@ -90,10 +86,6 @@ class Grammar:
             return LLMatcher.grammar_from_lark(self.source)
         return LLMatcher.grammar_from_json_schema(self.source)
 
-    def describe(self) -> str:
-        shown = self.source if len(self.source) <= 80 else self.source[:77] + "..."
-        return f"{self.kind} {shown}"
-
 
 def check_choices(labels: Sequence[str]) -> list[str]:
     if isinstance(labels, str) or not isinstance(labels, Sequence):
@@ -106,3 +98,9 @@ def check_choices(labels: Sequence[str]) -> list[str]:
     if len(set(labels)) != len(labels):
         raise ValueError(f"choices has duplicates: {labels!r}")
     return labels
+
+
+def _with_options(schema: dict[str, Any], options: dict[str, Any] | None) -> dict[str, Any]:
+    if not options:
+        return schema
+    return {**schema, "x-guidance": {**options, **schema.get("x-guidance", {})}}
