@@ -53,8 +53,9 @@ def engine32():
     return LLMEngine.from_pretrained(dtype="float32", max_num_batched_tokens=1024)
 
 
-def full_logits(model, token_ids: list[int]) -> torch.Tensor:
-    """Logits of every position of one prompt, run through the paged-cache path."""
+def full_logits(model, token_ids: list[int], ops=None) -> torch.Tensor:
+    """Logits of every position of one prompt, run through the paged-cache path (`ops`: the
+    layers' elementwise steps; default PyTorch's)."""
     from batchprompt.engine.outputs import ScheduledChunk
     from batchprompt.engine.sampling_params import SamplingParams
     from batchprompt.runner.inputs import build_inputs
@@ -68,5 +69,5 @@ def full_logits(model, token_ids: list[int]) -> torch.Tensor:
     chunk = ScheduledChunk("r", list(token_ids), 0, list(range(blocks)), True, SamplingParams())
     inputs = build_inputs([chunk], block_size, param.device)
     with torch.inference_mode():
-        hidden = model(inputs.input_ids, inputs.positions, kv.layers, inputs.attention)
+        hidden = model(inputs.input_ids, inputs.positions, kv.layers, inputs.attention, ops)
         return model.logits(hidden)

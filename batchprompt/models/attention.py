@@ -4,11 +4,14 @@ The model works on a flat list of tokens (every request's new tokens, back to ba
 matmuls never see padding. Only attention groups tokens by request: each group is a padded
 [requests, queries] block whose keys are gathered from the cache by slot index, and one
 `scaled_dot_product_attention` call serves the whole group. Decode rows (one query) form one
-group; prefill chunks form one or a few groups of similar length.
+group; prefill chunks form one or a few groups of similar length. On the CPU, decode rows go
+instead to a compiled kernel (batchprompt.kernels) that reads the cache through the block
+table directly.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,12 +36,27 @@ class AttentionGroup:
 
 
 @dataclass
+class DecodeBatch:
+    """Decode rows (one query each) served by a compiled paged-attention kernel, which reads
+    the keys through the block table where they lie: no gather, no padding. Their tokens are
+    the flat range [start, stop)."""
+
+    start: int
+    stop: int
+    block_table: torch.Tensor  # [B, max_blocks] int64
+    context_lens: torch.Tensor  # [B] int64: keys each query sees, its own included
+    block_size: int
+    op: Callable  # (q [B, H, D], k_cache, v_cache, block_table, context_lens, block_size, scale) -> [B, H, D]
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs for one step; built by the runner, read by every layer."""
 
     slot_mapping: torch.Tensor  # [T] cache slot where each new token's K and V are written
     groups: list[AttentionGroup]
     num_tokens: int
+    decode: DecodeBatch | None = None
 
 
 @dataclass
@@ -49,13 +67,13 @@ class LayerCache:
     v: torch.Tensor
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
-    """q [T, Hq, D], k and v [T, Hkv, D] for the new tokens -> output [T, Hq * D]."""
-    cache.k.index_copy_(0, meta.slot_mapping, k)
-    cache.v.index_copy_(0, meta.slot_mapping, v)
+def paged_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
+    """q [T, Hq, D] for the new tokens, whose K and V are already in the cache -> [T, Hq * D]."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     out = q.new_empty(meta.num_tokens, num_heads * head_dim)
+    if (d := meta.decode) is not None:
+        out[d.start:d.stop] = d.op(q[d.start:d.stop], cache.k, cache.v, d.block_table, d.context_lens,
+                                   d.block_size, head_dim ** -0.5).view(d.stop - d.start, -1)
     for g in meta.groups:
         b, nq = g.query_index.shape
         nk = g.key_slots.shape[1]
@@ -67,7 +85,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         else:
             queries = q.index_select(0, g.query_index.reshape(-1))
         o = F.scaled_dot_product_attention(
-            queries.view(b, nq, num_heads, head_dim).transpose(1, 2), keys, values,
+            queries.reshape(b, nq, num_heads, head_dim).transpose(1, 2), keys, values,
             attn_mask=g.mask, enable_gqa=keys.shape[1] != num_heads,
         )
         o = o.transpose(1, 2).reshape(b * nq, num_heads * head_dim)

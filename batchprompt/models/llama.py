@@ -7,17 +7,9 @@ from torch import nn
 
 from .attention import AttentionMetadata, LayerCache, paged_attention
 from .config import ModelArgs
-from .rotary import apply_rotary, rotary_table
+from .ops import TORCH_OPS, TorchOps
+from .rotary import rotary_table
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalized in float32 and scaled in the model dtype, as the reference implementation does."""
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-
-
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate).mul_(up)
 
 
 class Dense(nn.Module):
@@ -45,16 +37,16 @@ class Attention(nn.Module):
             self.q_norm = nn.Parameter(torch.ones(a.head_dim))
             self.k_norm = nn.Parameter(torch.ones(a.head_dim))
 
-    def forward(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata):
+    def forward(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata, ops: TorchOps):
         a = self.a
         qkv = self.qkv(x).view(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
-        qk, v = qkv.split([a.num_heads + a.num_kv_heads, a.num_kv_heads], dim=1)
-        if a.qk_norm:
-            q, k = qk.split([a.num_heads, a.num_kv_heads], dim=1)
-            qk = torch.cat([rms_norm(q, self.q_norm, a.rms_eps), rms_norm(k, self.k_norm, a.rms_eps)], dim=1)
-        qk = apply_rotary(qk, cos, sin)  # q and k rotated in one pass
-        q, k = qk.split([a.num_heads, a.num_kv_heads], dim=1)
-        return self.o(paged_attention(q, k, v, cache, meta))
+        if a.qk_norm:  # Qwen3: each head of q and k normalized before the rotation
+            q, k = qkv[:, :a.num_heads], qkv[:, a.num_heads:a.num_heads + a.num_kv_heads]
+            qkv = torch.cat([ops.rms_norm(q.reshape(-1, a.head_dim), self.q_norm, a.rms_eps).view_as(q),
+                             ops.rms_norm(k.reshape(-1, a.head_dim), self.k_norm, a.rms_eps).view_as(k),
+                             qkv[:, a.num_heads + a.num_kv_heads:]], dim=1)
+        q = ops.rotary_to_cache(qkv, a.num_heads, a.num_kv_heads, cos, sin, cache.k, cache.v, meta.slot_mapping)
+        return self.o(paged_attention(q, cache, meta))
 
 
 class Block(nn.Module):
@@ -67,9 +59,11 @@ class Block(nn.Module):
         self.gate_up = Dense(a.hidden_size, 2 * a.intermediate_size)
         self.down = Dense(a.intermediate_size, a.hidden_size)
 
-    def forward(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata):
-        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), cos, sin, cache, meta)
-        return x + self.down(swiglu(self.gate_up(rms_norm(x, self.mlp_norm, self.eps))))
+    def forward(self, x, h, next_norm, cos, sin, cache: LayerCache, meta: AttentionMetadata, ops: TorchOps):
+        """x: the residual stream, updated in place; h: x normalized by attn_norm. Returns the
+        new x normalized by `next_norm` (the next layer's attn_norm, or the final norm)."""
+        h = ops.add_rms_norm(x, self.attn(h, cos, sin, cache, meta, ops), self.mlp_norm, self.eps)
+        return ops.add_rms_norm(x, self.down(ops.silu_mul(self.gate_up(h))), next_norm, self.eps)
 
 
 class LlamaModel(nn.Module):
@@ -92,13 +86,18 @@ class LlamaModel(nn.Module):
         self.register_buffer("cos", cos.to(device=device, dtype=dtype), persistent=False)
         self.register_buffer("sin", sin.to(device=device, dtype=dtype), persistent=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                caches: list[LayerCache], meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
+                meta: AttentionMetadata, ops: TorchOps | None = None) -> torch.Tensor:
+        """`ops`: the layers' elementwise steps (default: PyTorch's; the runner passes the
+        compiled ones on the CPU)."""
+        x = self.embed(input_ids)  # the residual stream: a new tensor, updated in place below
         cos, sin = self.cos[positions], self.sin[positions]
-        for layer, cache in zip(self.layers, caches):
-            x = layer(x, cos, sin, cache, meta)
-        return rms_norm(x, self.norm, self.args.rms_eps)
+        ops, eps = ops or TORCH_OPS, self.args.rms_eps
+        h = ops.rms_norm(x, self.layers[0].attn_norm, eps)
+        norms = [layer.attn_norm for layer in self.layers[1:]] + [self.norm]
+        for layer, cache, next_norm in zip(self.layers, caches, norms):
+            h = layer(x, h, next_norm, cos, sin, cache, meta, ops)
+        return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight

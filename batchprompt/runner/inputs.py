@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from ..engine.outputs import ScheduledChunk
-from ..models.attention import AttentionGroup, AttentionMetadata
+from ..models.attention import AttentionGroup, AttentionMetadata, DecodeBatch
 
 # A group of padded attention rows may cost at most this much more than its real area.
 MAX_PADDING_RATIO = 1.5
@@ -25,8 +26,12 @@ class ModelInputs:
     score_owners: list[tuple[str, int]] | None = None
 
 
-def build_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.device) -> ModelInputs:
-    plan = _plan_groups(chunks)
+def build_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.device,
+                 decode_op: Callable | None = None) -> ModelInputs:
+    """`decode_op`: a compiled decode-attention kernel; when given, all one-token chunks are
+    laid out first and served by it as one DecodeBatch."""
+    decodes = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1] if decode_op is not None else []
+    plan = ([decodes] if decodes else []) + _plan_groups(chunks, skip=set(decodes))
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -40,12 +45,15 @@ def build_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.de
             positions.append(p)
             slots.append(c.block_ids[p // block_size] * block_size + p % block_size)
     sampling = [(i, c) for i, c in enumerate(chunks) if c.sample]
-    groups = [_group(chunks, offsets, members, block_size, device) for members in plan]
+    groups = [_group(chunks, offsets, members, block_size, device) for members in plan[1 if decodes else 0:]]
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    meta = AttentionMetadata(as_long(slots), groups, len(ids))
+    if decodes:
+        meta.decode = _decode_batch([chunks[i] for i in decodes], block_size, decode_op, as_long)
     inputs = ModelInputs(
         input_ids=as_long(ids),
         positions=as_long(positions),
-        attention=AttentionMetadata(as_long(slots), groups, len(ids)),
+        attention=meta,
         logits_index=as_long([offsets[i] + len(c.token_ids) - 1 for i, c in sampling]),
         sampling_chunks=[c for _, c in sampling],
     )
@@ -57,12 +65,20 @@ def build_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.de
     return inputs
 
 
-def _plan_groups(chunks: list[ScheduledChunk]) -> list[list[int]]:
-    """Split chunks into groups of similar shape, so padding stays under MAX_PADDING_RATIO.
-    Decodes (one query) and prefills never share a group."""
+def _decode_batch(sel: list[ScheduledChunk], block_size: int, op: Callable, as_long) -> DecodeBatch:
+    """The decode rows are the first len(sel) tokens of the step."""
+    lens = [c.context_len for c in sel]
+    width = -(-max(lens) // block_size)
+    table = [c.block_ids[:width] + [0] * (width - min(len(c.block_ids), width)) for c in sel]
+    return DecodeBatch(0, len(sel), as_long(table), as_long(lens), block_size, op)
+
+
+def _plan_groups(chunks: list[ScheduledChunk], skip: set[int] = frozenset()) -> list[list[int]]:
+    """Split chunks (but those in `skip`) into groups of similar shape, so padding stays under
+    MAX_PADDING_RATIO. Decodes (one query) and prefills never share a group."""
     groups: list[list[int]] = []
     for is_decode in (True, False):
-        members = [i for i, c in enumerate(chunks) if (len(c.token_ids) == 1) == is_decode]
+        members = [i for i, c in enumerate(chunks) if (len(c.token_ids) == 1) == is_decode and i not in skip]
         members.sort(key=lambda i: (len(chunks[i].token_ids), chunks[i].context_len))
         current: list[int] = []
         real = max_q = max_k = 0

@@ -4,7 +4,9 @@ from __future__ import annotations
 import torch
 
 from ..engine.outputs import ModelRunnerOutput, SchedulerOutput
+from ..kernels import CompiledOps, compiled_module
 from ..models.llama import LlamaModel
+from ..models.ops import TorchOps
 from .inputs import build_inputs
 from .kv_tensors import KVTensors
 from .sampler import sample
@@ -19,12 +21,17 @@ class ModelRunner:
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.kv = KVTensors(model.args, block_size, kv_dtype or self.dtype, self.device)
+        # On the CPU, the compiled kernels: paged decode attention (None: PyTorch attention for
+        # all rows) and the layers' fused elementwise steps.
+        module = compiled_module(self.device)
+        self.decode_op = None if module is None else module.decode_attention
+        self.ops = TorchOps() if module is None else CompiledOps(module)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.kv.ensure(sched.num_blocks, self.max_blocks)
-        inputs = build_inputs(sched.chunks, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv.layers, inputs.attention)
+        inputs = build_inputs(sched.chunks, self.block_size, self.device, self.decode_op)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv.layers, inputs.attention, self.ops)
         out = ModelRunnerOutput({})
         rows = inputs.logits_index
         if inputs.score_index is not None:
@@ -46,7 +53,7 @@ class ModelRunner:
                 lp = torch.log_softmax(logits[i].float(), dim=-1)
                 first = torch.tensor([ids[0] for ids in c.params.score_choices], device=lp.device)
                 out.choice_logprobs[c.request_id] = lp.index_select(0, first).tolist()
-        tokens, logprobs = sample(logits[:n], chunks)
+        tokens, logprobs = sample(logits[:n], chunks, self.ops)
         ids = [c.request_id for c in chunks]
         out.sampled = dict(zip(ids, tokens))
         out.logprobs = {i: lp for i, lp in zip(ids, logprobs) if lp is not None}

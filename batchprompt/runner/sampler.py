@@ -4,11 +4,14 @@ from __future__ import annotations
 import torch
 
 from ..engine.outputs import ScheduledChunk
+from ..models.ops import TORCH_OPS, TorchOps
 from ..structured.mask import apply_masks
 
 
-def sample(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> tuple[list[int], list[float | None]]:
+def sample(logits: torch.Tensor, chunks: list[ScheduledChunk],
+           ops: TorchOps = TORCH_OPS) -> tuple[list[int], list[float | None]]:
     """logits [N, V] float32, one row per chunk -> the chosen token and, if asked, its log-prob.
+    `ops.argmax` picks the greedy tokens.
 
     Log-probs are those of the model's distribution before temperature, filters and grammar
     masks. Rows whose chunk has a grammar matcher are masked (in place) to the tokens it allows.
@@ -21,7 +24,7 @@ def sample(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> tuple[list[int
     constrained = [i for i, c in enumerate(chunks) if c.matcher is not None]
     if constrained:
         apply_masks(logits, constrained, [chunks[i].matcher for i in constrained])
-    tokens = logits.argmax(dim=-1)
+    tokens = ops.argmax(logits)
     sampled_rows = [i for i, c in enumerate(chunks) if not c.params.greedy]
     if sampled_rows:
         rows = torch.tensor(sampled_rows, device=logits.device)

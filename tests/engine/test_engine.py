@@ -6,6 +6,7 @@ import torch
 
 from batchprompt import EngineConfig, LLMEngine, SamplingParams
 from batchprompt.models import build_model, load_hf_weights, resolve_model
+from batchprompt.models.ops import TorchOps
 from batchprompt.runner.kv_tensors import KVTensors
 
 from ..conftest import SPAM_SYSTEM, full_logits, sms_rows
@@ -173,3 +174,18 @@ def test_stop_strings_cut_the_text(embedded_engine):
     cut = embedded_engine.generate([p], SamplingParams(max_tokens=30, temperature=0, stop=["4"]))[0]
     assert cut.finish_reason == "stop"
     assert cut.text == free.text[:free.text.index("4")]
+
+
+def test_decode_kernel_gives_the_pytorch_attention_results(tiny_model):
+    """The compiled kernels (CPU) and the PyTorch paths agree on tokens and log-probs."""
+    ps = prompts(10)
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True)
+    fast = engine(tiny_model)
+    if fast.runner.decode_op is None:
+        pytest.skip("no compiled kernel on this machine")
+    plain = engine(tiny_model)
+    plain.runner.decode_op, plain.runner.ops = None, TorchOps()
+    a, b = fast.generate(ps, sp), plain.generate(ps, sp)
+    assert [o.output_token_ids for o in a] == [o.output_token_ids for o in b]
+    for x, y in zip(a, b):
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)

@@ -4,10 +4,23 @@ from __future__ import annotations
 import pytest
 import torch
 
+from batchprompt.kernels import CompiledOps, compiled_module
 from batchprompt.models import build_model, load_hf_weights, resolve_model
 from batchprompt.models.gguf_reader import unpermute_rotary
+from batchprompt.models.ops import TorchOps
 
 from ..conftest import full_logits, tiny_hf_config
+
+
+@pytest.fixture(params=["torch-ops", "compiled-ops"])
+def ops(request):
+    """Each comparison runs with the layers' PyTorch steps and with the compiled CPU kernels."""
+    if request.param == "torch-ops":
+        return TorchOps()
+    module = compiled_module(torch.device("cpu"))
+    if module is None:
+        pytest.skip("no compiled kernels on this machine")
+    return CompiledOps(module)
 
 
 def _hf_logits(hf_model, ids):
@@ -22,7 +35,7 @@ def _hf_logits(hf_model, ids):
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
     {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
 ])
-def test_tiny_random_llama_matches_transformers(tmp_path, overrides):
+def test_tiny_random_llama_matches_transformers(tmp_path, overrides, ops):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(1)
@@ -31,11 +44,11 @@ def test_tiny_random_llama_matches_transformers(tmp_path, overrides):
     args, weights = load_hf_weights(resolve_model(tmp_path))
     ours = build_model(args, weights, torch.float32, torch.device("cpu"))
     ids = torch.randint(0, 97, (150,)).tolist()
-    expected, got = _hf_logits(hf, ids), full_logits(ours, ids)
+    expected, got = _hf_logits(hf, ids), full_logits(ours, ids, ops)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_tiny_qwen2_with_bias_matches_transformers(tmp_path):
+def test_tiny_qwen2_with_bias_matches_transformers(tmp_path, ops):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(2)
@@ -51,11 +64,11 @@ def test_tiny_qwen2_with_bias_matches_transformers(tmp_path):
     assert args.attention_bias
     ours = build_model(args, weights, torch.float32, torch.device("cpu"))
     ids = torch.randint(0, 97, (40,)).tolist()
-    torch.testing.assert_close(full_logits(ours, ids), _hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(full_logits(ours, ids, ops), _hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral"])
-def test_tiny_qwen3_and_mistral_match_transformers(tmp_path, family):
+def test_tiny_qwen3_and_mistral_match_transformers(tmp_path, family, ops):
     import transformers
 
     torch.manual_seed(3)
@@ -76,7 +89,7 @@ def test_tiny_qwen3_and_mistral_match_transformers(tmp_path, family):
     assert args.qk_norm == (family == "qwen3")
     ours = build_model(args, weights, torch.float32, torch.device("cpu"))
     ids = torch.randint(0, 97, (50,)).tolist()
-    torch.testing.assert_close(full_logits(ours, ids), _hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(full_logits(ours, ids, ops), _hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
 
 
 def test_unpermute_inverts_llama_cpp_permutation():
@@ -87,7 +100,7 @@ def test_unpermute_inverts_llama_cpp_permutation():
 
 
 @pytest.mark.slow
-def test_embedded_model_matches_transformers_gguf_loader():
+def test_embedded_model_matches_transformers_gguf_loader(ops):
     """The embedded GGUF: our reader and model against transformers' own GGUF reader (which
     dequantizes and un-permutes Q/K independently of ours) in a dense transformers Llama."""
     from transformers import AutoModelForCausalLM
@@ -98,7 +111,7 @@ def test_embedded_model_matches_transformers_gguf_loader():
     args, weights = load_hf_weights(source)
     ours = build_model(args, weights, torch.float32, torch.device("cpu"))
     ids = list(range(1, 60)) + [9690, 198, 2683, 359, 253, 26804, 5866]
-    expected, got = _hf_logits(hf, ids), full_logits(ours, ids)
+    expected, got = _hf_logits(hf, ids), full_logits(ours, ids, ops)
     scale = expected.abs().max()
     assert (got - expected).abs().max() <= 1e-4 * scale
     assert (got.argmax(-1) == expected.argmax(-1)).all()
