@@ -12,16 +12,33 @@ from .rotary import rotary_table
 
 
 
+# Steps of at most this many tokens (decoding) use the oneDNN-packed weights, where present.
+PACKED_MAX_ROWS = 128
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] in oneDNN's blocked layout for small batches (a CPU-only copy)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class Dense(nn.Module):
     """A linear layer whose weight is stored [in, out]: oneDNN's bfloat16 GEMM runs 5-25%
-    faster on that layout than on nn.Linear's [out, in] at the batch sizes the engine uses."""
+    faster on that layout than on nn.Linear's [out, in] at the batch sizes the engine uses.
+    `packed` (see LlamaModel.pack_for_small_batches) serves steps of few tokens."""
 
     def __init__(self, d_in: int, d_out: int, bias: bool = False):
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(d_in, d_out))
         self.bias = nn.Parameter(torch.empty(d_out)) if bias else None
+        self.packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
+            return _packed_linear(x, self.packed, self.bias)
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
@@ -76,7 +93,27 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(Block(args) for _ in range(args.num_layers))
         self.norm = nn.Parameter(torch.ones(args.hidden_size))
         self.lm_head = None if args.tie_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.head_packed: torch.Tensor | None = None
         self.reset_rotary()
+
+    def pack_for_small_batches(self) -> bool:
+        """On the CPU in bfloat16: keep a second copy of every weight matrix in oneDNN's packed
+        layout, which decoding steps (up to PACKED_MAX_ROWS tokens) use: their GEMMs run about
+        25% faster, for two more bytes per weight. Larger steps keep the plain weights.
+        Returns False (and packs nothing) where this PyTorch build cannot pack."""
+        try:
+            for m in self.modules():
+                if isinstance(m, Dense) and m.packed is None:
+                    m.packed = _pack(m.weight_t.t())
+            if self.head_packed is None:
+                self.head_packed = _pack(self.embed.weight if self.lm_head is None else self.lm_head.weight)
+        except (RuntimeError, AttributeError):  # no oneDNN: plain weights only
+            for m in self.modules():
+                if isinstance(m, Dense):
+                    m.packed = None
+            self.head_packed = None
+            return False
+        return True
 
     def reset_rotary(self, device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
         """(Re)compute the rotary table: a derived buffer, never part of a checkpoint. It is
@@ -100,5 +137,7 @@ class LlamaModel(nn.Module):
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head_packed is not None and hidden.shape[0] <= PACKED_MAX_ROWS:
+            return _packed_linear(hidden, self.head_packed, None).float()
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()

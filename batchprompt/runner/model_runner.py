@@ -26,6 +26,8 @@ class ModelRunner:
         module = compiled_module(self.device)
         self.decode_op = None if module is None else module.decode_attention
         self.ops = TorchOps() if module is None else CompiledOps(module)
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            model.pack_for_small_batches()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
