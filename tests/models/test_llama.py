@@ -115,3 +115,25 @@ def test_embedded_model_matches_transformers_gguf_loader(ops):
     scale = expected.abs().max()
     assert (got - expected).abs().max() <= 1e-4 * scale
     assert (got.argmax(-1) == expected.argmax(-1)).all()
+
+
+def test_packed_weights_for_small_batches_give_the_same_logits(tmp_path):
+    """bfloat16 on the CPU: steps of up to PACKED_MAX_ROWS tokens use oneDNN-packed weights;
+    their logits equal the plain GEMMs' to bfloat16 rounding."""
+    from transformers import LlamaForCausalLM
+
+    from batchprompt.models.llama import PACKED_MAX_ROWS
+
+    torch.manual_seed(4)
+    LlamaForCausalLM(tiny_hf_config(tie_word_embeddings=True)).save_pretrained(tmp_path)
+    args, weights = load_hf_weights(resolve_model(tmp_path))
+    model = build_model(args, weights, torch.bfloat16, torch.device("cpu"))
+    ids = torch.randint(0, 97, (PACKED_MAX_ROWS,)).tolist()
+    plain = full_logits(model, ids)
+    if not model.pack_for_small_batches():
+        pytest.skip("this PyTorch build cannot pack weights for oneDNN")
+    assert model.head_packed is not None and model.layers[0].gate_up.packed is not None
+    packed = full_logits(model, ids)
+    scale = plain.abs().max()
+    assert (packed - plain).abs().max() <= 0.01 * scale
+    assert (packed.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.95
