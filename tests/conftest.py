@@ -53,6 +53,21 @@ def engine32():
     return LLMEngine.from_pretrained(dtype="float32", max_num_batched_tokens=1024)
 
 
+@pytest.fixture(scope="session")
+def compiled_kernels():
+    """The compiled CPU kernels module. Skipped only where no C++ compiler exists; with one,
+    the kernels must build."""
+    import shutil
+
+    from batchprompt.kernels import compiled_module
+
+    module = compiled_module(torch.device("cpu"))
+    if module is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler: the engine runs PyTorch's ops")
+    assert module is not None, "a C++ compiler is present, so the kernels must build (see the log)"
+    return module
+
+
 def full_logits(model, token_ids: list[int], ops=None) -> torch.Tensor:
     """Logits of every position of one prompt, run through the paged-cache path (`ops`: the
     layers' elementwise steps; default PyTorch's)."""

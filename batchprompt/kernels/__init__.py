@@ -1,5 +1,5 @@
 """Hand-written CPU kernels, compiled on first use for the machine that runs them."""
-from .build import compiled_module, decode_attention_op, kernels_enabled
+from .build import compiled_module, kernels_enabled
 from .ops import CompiledOps
 
-__all__ = ["CompiledOps", "compiled_module", "decode_attention_op", "kernels_enabled"]
+__all__ = ["CompiledOps", "compiled_module", "kernels_enabled"]

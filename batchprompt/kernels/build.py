@@ -15,7 +15,6 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -68,9 +67,3 @@ def compiled_module(device: torch.device):
     if device.type != "cpu" or not kernels_enabled():
         return None
     return _load()
-
-
-def decode_attention_op(device: torch.device) -> Callable | None:
-    """The compiled paged decode attention, or None (see compiled_module)."""
-    module = compiled_module(device)
-    return None if module is None else module.decode_attention

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchprompt.kernels import CompiledOps, compiled_module
+from batchprompt.kernels import CompiledOps
 from batchprompt.models import build_model, load_hf_weights, resolve_model
 from batchprompt.models.gguf_reader import unpermute_rotary
 from batchprompt.models.ops import TorchOps
@@ -17,10 +17,7 @@ def ops(request):
     """Each comparison runs with the layers' PyTorch steps and with the compiled CPU kernels."""
     if request.param == "torch-ops":
         return TorchOps()
-    module = compiled_module(torch.device("cpu"))
-    if module is None:
-        pytest.skip("no compiled kernels on this machine")
-    return CompiledOps(module)
+    return CompiledOps(request.getfixturevalue("compiled_kernels"))
 
 
 def _hf_logits(hf_model, ids):
