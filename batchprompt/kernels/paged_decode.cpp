@@ -1,10 +1,14 @@
 // Decode attention over the paged KV cache, for the CPU.
 //
 // One query token per request. A task is one request: it walks the request's block table and
-// reads its cached keys and values where they lie (no gather into a padded copy); the rows a
-// task reads stay in the core's L1/L2 cache while every query head that shares their KV head
-// (grouped-query attention) uses them. Scores and softmax are float32; the output is written
-// in the query's dtype.
+// reads its cached keys and values where they lie (no gather into a padded copy), asking for
+// rows ahead of use (the blocks are small and scattered, so the hardware prefetcher loses the
+// stream at each one). Pass 1 computes the scores of sixteen keys at a time for each query
+// head; with bfloat16 keys and AVX512-BF16 it multiplies the raw keys in pairs (vdpbf16ps, no
+// conversion), otherwise it converts sixteen key rows to float32 in an L1 buffer once for all
+// heads. Pass 2 sums the values for all query heads of a KV head at once, accumulators in
+// registers, each value row converted once. Scores, softmax and sums are float32; the output is
+// written in the query's dtype.
 //
 // With AVX-512 and a head size that is a multiple of 16 the inner loops are vector
 // intrinsics with the head held in registers; otherwise a plain loop computes the same thing.
@@ -13,6 +17,7 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -86,33 +91,61 @@ inline float softmax_unnormalized(float* s, int64_t len) {
   return 1.f / _mm512_reduce_add_ps(sum16);
 }
 
-// One request, head size 16 * NV. Keys and values are taken sixteen slots at a time: each
-// slot's row (all KV heads, contiguous in the cache) is read once and converted to float32
-// into a small buffer that stays in L1, and every query head reads it from there.
-template <typename scalar_t, int NV>
-void attend_vec(const Problem& P, const scalar_t* q, const scalar_t* kc, const scalar_t* vc,
-                int64_t b, float* work, scalar_t* out) {
-  constexpr int D = 16 * NV;
-  const int64_t len = P.lens[b], group = P.heads / P.kv_heads, row_len = P.slot_stride;
-  const int64_t* table = P.tables + b * P.table_stride;
-  float* rows = work;                        // [16][row_len]
-  float* scores = rows + 16 * row_len;       // [heads][len]
-  float* acc = scores + P.heads * len;       // [heads][D]
+// Asks for the cache lines of `bytes` bytes at p.
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+
+// Pass 1 with bfloat16 keys and vdpbf16ps: the raw keys are multiplied in pairs, with no
+// conversion. Products of two bfloat16 values are exact in float32; sums are float32.
+#if defined(__AVX512BF16__)
+template <int NV>
+void scores_bf16(const Problem& P, const at::BFloat16* qb, const at::BFloat16* kc, const int64_t* offs,
+                 int64_t len, float* scores) {
+  constexpr int D = 16 * NV, NP = NV / 2;  // NP vectors of 32 bfloat16 per head
+  const int64_t group = P.heads / P.kv_heads;
   const __m512 scale = _mm512_set1_ps(P.scale);
-  auto load_rows = [&](const scalar_t* cache, int64_t t0, int n) {
-    for (int i = 0; i < n; ++i) {
-      const scalar_t* src = cache + slot_of(P, table, t0 + i) * row_len;
-      float* dst = rows + i * row_len;
-      for (int64_t c = 0; c < row_len; c += 16) _mm512_storeu_ps(dst + c, load16(src + c));
-    }
-  };
-  // Pass 1: scores[h * len + t].
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, len - t0));
-    load_rows(kc, t0, n);
+    for (int64_t t = t0 + 32; t < std::min(t0 + 48, len); ++t) prefetch(kc + offs[t], P.slot_stride * 2);
     for (int64_t h = 0; h < P.heads; ++h) {
       const int64_t kv_off = (h / group) * D;
-      const scalar_t* qh = q + b * P.q_sb + h * P.q_sh;
+      const at::BFloat16* qh = qb + h * P.q_sh;
+      __m512bh qv[NP];
+      for (int j = 0; j < NP; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qh + 32 * j);
+      __m512 part[16];
+      for (int i = 0; i < 16; ++i) {
+        const at::BFloat16* k = kc + offs[t0 + (i < n ? i : n - 1)] + kv_off;
+        part[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(k));
+        for (int j = 1; j < NP; ++j)
+          part[i] = _mm512_dpbf16_ps(part[i], qv[j], (__m512bh)_mm512_loadu_si512(k + 32 * j));
+      }
+      _mm512_mask_storeu_ps(scores + h * len + t0, static_cast<__mmask16>((1u << n) - 1),
+                            _mm512_mul_ps(sum16x16(part), scale));
+    }
+  }
+}
+#endif
+
+// Pass 1, any storage type: sixteen key rows (all KV heads) at a time are converted to float32
+// into a buffer that stays in L1, and every query head reads them from there.
+template <typename scalar_t, int NV>
+void scores_f32(const Problem& P, const scalar_t* qb, const scalar_t* kc, const int64_t* offs,
+                int64_t len, float* rows, float* scores) {
+  constexpr int D = 16 * NV;
+  const int64_t group = P.heads / P.kv_heads, row_len = P.slot_stride;
+  const __m512 scale = _mm512_set1_ps(P.scale);
+  for (int64_t t0 = 0; t0 < len; t0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, len - t0));
+    for (int64_t t = t0 + 32; t < std::min(t0 + 48, len); ++t) prefetch(kc + offs[t], row_len * sizeof(scalar_t));
+    for (int i = 0; i < n; ++i) {
+      const scalar_t* src = kc + offs[t0 + i];
+      for (int64_t c = 0; c < row_len; c += 16) _mm512_storeu_ps(rows + i * row_len + c, load16(src + c));
+    }
+    for (int64_t h = 0; h < P.heads; ++h) {
+      const int64_t kv_off = (h / group) * D;
+      const scalar_t* qh = qb + h * P.q_sh;
       __m512 qv[NV];
       for (int j = 0; j < NV; ++j) qv[j] = _mm512_mul_ps(load16(qh + 16 * j), scale);
       __m512 part[16];
@@ -124,29 +157,63 @@ void attend_vec(const Problem& P, const scalar_t* q, const scalar_t* kc, const s
       _mm512_mask_storeu_ps(scores + h * len + t0, static_cast<__mmask16>((1u << n) - 1), sum16x16(part));
     }
   }
-  float inv[1024];
-  for (int64_t h = 0; h < P.heads; ++h) inv[h] = softmax_unnormalized(scores + h * len, len);
-  // Pass 2: acc[h] = sum over t of p[h][t] * V[t].
-  std::fill(acc, acc + P.heads * D, 0.f);
-  for (int64_t t0 = 0; t0 < len; t0 += 16) {
-    const int n = static_cast<int>(std::min<int64_t>(16, len - t0));
-    load_rows(vc, t0, n);
-    for (int64_t h = 0; h < P.heads; ++h) {
-      const int64_t kv_off = (h / group) * D;
-      const float* p = scores + h * len + t0;
-      __m512 a[NV];
-      for (int j = 0; j < NV; ++j) a[j] = _mm512_loadu_ps(acc + h * D + 16 * j);
-      for (int i = 0; i < n; ++i) {
-        const __m512 pi = _mm512_set1_ps(p[i]);
-        const float* v = rows + i * row_len + kv_off;
-        for (int j = 0; j < NV; ++j) a[j] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(v + 16 * j), a[j]);
-      }
-      for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + h * D + 16 * j, a[j]);
+}
+
+// Pass 2 for the query heads h0..h0+HC-1 (at most HC, all of KV head g): out[h] = sum over t
+// of p[h][t] * V[t], the accumulators held in registers across all keys; each value row is
+// converted once for all these heads.
+template <typename scalar_t, int NV, int HC>
+void weighted_values(const Problem& P, const scalar_t* vc, const int64_t* offs, int64_t len,
+                     const float* scores, const float* inv, int64_t h0, int nh, int64_t g, scalar_t* o) {
+  constexpr int D = 16 * NV;
+  __m512 a[HC][NV];
+  for (int c = 0; c < HC; ++c)
+    for (int j = 0; j < NV; ++j) a[c][j] = _mm512_setzero_ps();
+  const int64_t kv_off = g * D;
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + 16 < len) prefetch(vc + offs[t + 16] + kv_off, D * sizeof(scalar_t));
+    const scalar_t* v = vc + offs[t] + kv_off;
+    __m512 vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = load16(v + 16 * j);
+    for (int c = 0; c < HC; ++c) {
+      if (c >= nh) break;
+      const __m512 pc = _mm512_set1_ps(scores[(h0 + c) * len + t]);
+      for (int j = 0; j < NV; ++j) a[c][j] = _mm512_fmadd_ps(pc, vv[j], a[c][j]);
     }
   }
+  for (int c = 0; c < nh; ++c) {
+    const __m512 s = _mm512_set1_ps(inv[h0 + c]);
+    for (int j = 0; j < NV; ++j) bp::store16(o + (h0 + c) * D + 16 * j, _mm512_mul_ps(a[c][j], s));
+  }
+}
+
+// One request, head size 16 * NV.
+template <typename scalar_t, int NV>
+void attend_vec(const Problem& P, const scalar_t* q, const scalar_t* kc, const scalar_t* vc,
+                int64_t b, float* work, int64_t* offs, scalar_t* out) {
+  constexpr int D = 16 * NV;
+  constexpr int HC = NV <= 4 ? 4 : (NV <= 8 ? 2 : 1);  // query heads per pass over the values
+  const int64_t len = P.lens[b], group = P.heads / P.kv_heads;
+  const int64_t* table = P.tables + b * P.table_stride;
+  for (int64_t t = 0; t < len; ++t) offs[t] = slot_of(P, table, t) * P.slot_stride;
+  float* rows = work;                          // [16][slot_stride]
+  float* scores = rows + 16 * P.slot_stride;   // [heads][len]
+  const scalar_t* qb = q + b * P.q_sb;
+  for (int64_t t = 0; t < std::min<int64_t>(32, len); ++t) prefetch(kc + offs[t], P.slot_stride * sizeof(scalar_t));
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16> && NV % 2 == 0)
+    scores_bf16<NV>(P, qb, kc, offs, len, scores);
+  else
+#endif
+    scores_f32<scalar_t, NV>(P, qb, kc, offs, len, rows, scores);
+  for (int64_t t = 0; t < std::min<int64_t>(16, len); ++t) prefetch(vc + offs[t], P.slot_stride * sizeof(scalar_t));
+  float inv[1024];
+  for (int64_t h = 0; h < P.heads; ++h) inv[h] = softmax_unnormalized(scores + h * len, len);
   scalar_t* o = out + b * P.heads * D;
-  for (int64_t h = 0; h < P.heads; ++h)
-    for (int d = 0; d < D; ++d) o[h * D + d] = static_cast<scalar_t>(acc[h * D + d] * inv[h]);
+  for (int64_t g = 0; g < P.kv_heads; ++g)
+    for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += HC)
+      weighted_values<scalar_t, NV, HC>(P, vc, offs, len, scores, inv, h0,
+                                        static_cast<int>(std::min<int64_t>(HC, (g + 1) * group - h0)), g, o);
 }
 #else
 inline float softmax_unnormalized(float* s, int64_t len) {
@@ -192,17 +259,18 @@ void decode_attention_impl(const Problem& P, const torch::Tensor& q, const torch
   const scalar_t* vp = v_cache.data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   at::parallel_for(0, P.batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> work(16 * P.slot_stride + P.heads * (P.max_len + P.dim));
+    std::vector<float> work(16 * P.slot_stride + P.heads * P.max_len);
+    std::vector<int64_t> offs(P.max_len);
     for (int64_t b = begin; b < end; ++b) {
 #if defined(__AVX512F__)
       switch (P.dim) {
-        case 16: attend_vec<scalar_t, 1>(P, qp, kp, vp, b, work.data(), op); continue;
-        case 32: attend_vec<scalar_t, 2>(P, qp, kp, vp, b, work.data(), op); continue;
-        case 64: attend_vec<scalar_t, 4>(P, qp, kp, vp, b, work.data(), op); continue;
-        case 80: attend_vec<scalar_t, 5>(P, qp, kp, vp, b, work.data(), op); continue;
-        case 96: attend_vec<scalar_t, 6>(P, qp, kp, vp, b, work.data(), op); continue;
-        case 128: attend_vec<scalar_t, 8>(P, qp, kp, vp, b, work.data(), op); continue;
-        case 256: attend_vec<scalar_t, 16>(P, qp, kp, vp, b, work.data(), op); continue;
+        case 16: attend_vec<scalar_t, 1>(P, qp, kp, vp, b, work.data(), offs.data(), op); continue;
+        case 32: attend_vec<scalar_t, 2>(P, qp, kp, vp, b, work.data(), offs.data(), op); continue;
+        case 64: attend_vec<scalar_t, 4>(P, qp, kp, vp, b, work.data(), offs.data(), op); continue;
+        case 80: attend_vec<scalar_t, 5>(P, qp, kp, vp, b, work.data(), offs.data(), op); continue;
+        case 96: attend_vec<scalar_t, 6>(P, qp, kp, vp, b, work.data(), offs.data(), op); continue;
+        case 128: attend_vec<scalar_t, 8>(P, qp, kp, vp, b, work.data(), offs.data(), op); continue;
+        case 256: attend_vec<scalar_t, 16>(P, qp, kp, vp, b, work.data(), offs.data(), op); continue;
         default: break;  // other head sizes: the plain loop
       }
 #endif

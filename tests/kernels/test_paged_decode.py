@@ -29,7 +29,9 @@ def reference(q, k_cache, v_cache, table, lens, block_size):
 CASES = [  # heads, kv_heads, head_dim, block_size
     (9, 3, 64, 4),  # SmolLM2-135M: the vector path
     (4, 4, 128, 16),  # no grouping, wider heads
-    (14, 2, 64, 7),  # a group of 7, an odd block size
+    (14, 2, 64, 7),  # a group of 7, an odd block size: values in chunks of 4 + 3 heads
+    (10, 2, 128, 4),  # a group of 5 at head size 128: chunks of 2 + 2 + 1 heads
+    (2, 1, 256, 3),  # head size 256: one head per pass over the values
     (4, 2, 16, 4),  # the tests' tiny model
     (6, 3, 24, 5),  # a head size the vector path does not take: the plain loop
 ]
