@@ -33,13 +33,21 @@ inline void store16(at::Half* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-// The value after one operation computed in the storage type: rounded to it and back.
-template <typename T> inline __m512 round16(__m512 v) {
-  alignas(64) T tmp[16];
-  store16(tmp, v);
-  return load16(tmp);
-}
+// The value after one operation computed in the storage type: rounded to it and back, in
+// registers (the same rounding as store16; NaN stays NaN).
+template <typename T> inline __m512 round16(__m512 v);
 template <> inline __m512 round16<float>(__m512 v) { return v; }
+template <> inline __m512 round16<at::BFloat16>(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
+                                     _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000)));
+}
+template <> inline __m512 round16<at::Half>(__m512 v) {
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 
 // exp(x): 2^n * 2^f with f in [-0.5, 0.5] from a degree-6 polynomial (relative error about
 // 2e-7, as libm's expf); x is clamped to [-87, 88], where float32 neither underflows to

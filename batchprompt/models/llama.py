@@ -136,8 +136,11 @@ class LlamaModel(nn.Module):
             h = layer(x, h, next_norm, cos, sin, cache, meta, ops)
         return h
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """The output head's logits, in float32 or (float32=False) as computed, in the model's
+        dtype (greedy decoding needs no conversion: the largest value is the same)."""
         if self.head_packed is not None and hidden.shape[0] <= PACKED_MAX_ROWS:
-            return _packed_linear(hidden, self.head_packed, None).float()
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+            out = _packed_linear(hidden, self.head_packed, None)
+        else:
+            out = F.linear(hidden, self.embed.weight if self.lm_head is None else self.lm_head.weight)
+        return out.float() if float32 else out

@@ -28,7 +28,7 @@ class TorchOps:
         return F.silu(gate).mul_(up)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """The greedy token of each row of float32 logits [N, V]."""
+        """The greedy token of each row of logits [N, V] (float32 or the model's dtype)."""
         return logits.argmax(dim=-1)
 
     def rotary_to_cache(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor,

@@ -40,7 +40,7 @@ class ModelRunner:
             rows = torch.cat([rows, inputs.score_index])
         if not len(rows):
             return out
-        logits = self.model.logits(hidden.index_select(0, rows))
+        logits = self.model.logits(hidden.index_select(0, rows), float32=False)
         n = len(inputs.sampling_chunks)
         if inputs.score_index is not None:
             lp = torch.log_softmax(logits[n:].float(), dim=-1)

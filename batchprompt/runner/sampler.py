@@ -10,22 +10,25 @@ from ..structured.mask import apply_masks
 
 def sample(logits: torch.Tensor, chunks: list[ScheduledChunk],
            ops: TorchOps = TORCH_OPS) -> tuple[list[int], list[float | None]]:
-    """logits [N, V] float32, one row per chunk -> the chosen token and, if asked, its log-prob.
-    `ops.argmax` picks the greedy tokens.
+    """logits [N, V], one row per chunk -> the chosen token and, if asked, its log-prob.
+    `ops.argmax` picks the greedy tokens. Logits in the model's dtype are used as they are when
+    every row is greedy with no log-probs or grammar; otherwise they are taken to float32 first.
 
     Log-probs are those of the model's distribution before temperature, filters and grammar
     masks. Rows whose chunk has a grammar matcher are masked (in place) to the tokens it allows.
     """
     want = [i for i, c in enumerate(chunks) if c.params.logprobs]
+    constrained = [i for i, c in enumerate(chunks) if c.matcher is not None]
+    sampled_rows = [i for i, c in enumerate(chunks) if not c.params.greedy]
+    if want or constrained or sampled_rows:
+        logits = logits.float()
     raw_lp = None
     if want:
         idx = torch.tensor(want, device=logits.device)
         raw_lp = torch.log_softmax(logits.index_select(0, idx), dim=-1)
-    constrained = [i for i, c in enumerate(chunks) if c.matcher is not None]
     if constrained:
         apply_masks(logits, constrained, [chunks[i].matcher for i in constrained])
     tokens = ops.argmax(logits)
-    sampled_rows = [i for i, c in enumerate(chunks) if not c.params.greedy]
     if sampled_rows:
         rows = torch.tensor(sampled_rows, device=logits.device)
         probs = _filtered_probs(logits.index_select(0, rows), [chunks[i] for i in sampled_rows])

@@ -41,8 +41,9 @@ def test_silu_mul(ops, dtype, rows, inter):
     torch.testing.assert_close(ops.silu_mul(gate_up), REF.silu_mul(gate_up), **TOL[dtype])
 
 
-def test_argmax_matches_torch_with_ties_and_nan(ops):
-    x = rand(6, 49152, dtype=torch.float32)
+@pytest.mark.parametrize("dtype", DTYPES)  # greedy steps take bfloat16 logits as they come
+def test_argmax_matches_torch_with_ties_and_nan(ops, dtype):
+    x = rand(6, 49152, dtype=dtype)
     x[1, 10] = x[1, 40000] = 99.0  # a tie: the first index wins
     x[2, 7] = float("nan")
     x[3, 49151] = 50.0  # the last element
