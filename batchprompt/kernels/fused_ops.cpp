@@ -70,17 +70,6 @@ void for_rows(int64_t rows, int64_t grain, Fn&& fn) {
   });
 }
 
-// Calls fn(T{}) with T the storage type of `dtype` (fn is a generic lambda).
-template <typename Fn>
-void dispatch(at::ScalarType dtype, const char* name, Fn&& fn) {
-  switch (dtype) {
-    case at::kFloat: fn(float{}); break;
-    case at::kBFloat16: fn(at::BFloat16{}); break;
-    case at::kHalf: fn(at::Half{}); break;
-    default: TORCH_CHECK(false, name, ": float32, bfloat16 or float16 only, got ", dtype);
-  }
-}
-
 void check_rows(const torch::Tensor& x, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, name, " must be a [rows, n] CPU tensor with unit last stride");
 }
@@ -95,7 +84,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
               "weight must be [n] in x's dtype");
   auto out = torch::empty_like(x, at::MemoryFormat::Contiguous);
   const int64_t n = x.size(1), sx = x.stride(0);
-  dispatch(x.scalar_type(), "rms_norm", [&](auto tag) {
+  bp::dispatch(x.scalar_type(), "rms_norm", [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* wp = weight.data_ptr<scalar_t>();
@@ -115,7 +104,7 @@ torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor delta, torch::T
               "weight must be [n] in the residual's dtype");
   auto out = torch::empty_like(residual);
   const int64_t n = residual.size(1), sd = delta.stride(0);
-  dispatch(residual.scalar_type(), "add_rms_norm", [&](auto tag) {
+  bp::dispatch(residual.scalar_type(), "add_rms_norm", [&](auto tag) {
     using scalar_t = decltype(tag);
     scalar_t* rp = residual.data_ptr<scalar_t>();
     const scalar_t* dp = delta.data_ptr<scalar_t>();
@@ -141,7 +130,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even width");
   const int64_t n = gate_up.size(1) / 2, s = gate_up.stride(0);
   auto out = torch::empty({gate_up.size(0), n}, gate_up.options());
-  dispatch(gate_up.scalar_type(), "silu_mul", [&](auto tag) {
+  bp::dispatch(gate_up.scalar_type(), "silu_mul", [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* gp = gate_up.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
@@ -191,7 +180,7 @@ void rotary_to_cache(torch::Tensor qkv, int64_t num_heads, int64_t num_kv_heads,
   const int64_t row = qkv.size(1) * D, kv_row = num_kv_heads * D, num_slots = k_cache.size(0);
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot out of the cache");
-  dispatch(qkv.scalar_type(), "rotary_to_cache", [&](auto tag) {
+  bp::dispatch(qkv.scalar_type(), "rotary_to_cache", [&](auto tag) {
     using scalar_t = decltype(tag);
     scalar_t* xp = qkv.data_ptr<scalar_t>();
     const scalar_t* cp = cos.data_ptr<scalar_t>();
@@ -263,8 +252,10 @@ int64_t argmax_row(const T* v, int64_t n) {
     if (hit) return i + __builtin_ctz(hit);
   }
 #endif
-  for (; i < n; ++i)
-    if (nan ? to_f(v[i]) != to_f(v[i]) : to_f(v[i]) == m) return i;
+  for (; i < n; ++i) {
+    const float x = to_f(v[i]);
+    if (nan ? x != x : x == m) return i;
+  }
   return 0;
 }
 
@@ -279,7 +270,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   TORCH_CHECK(n > 0, "argmax_rows: empty rows");
   auto out = torch::empty({rows}, x.options().dtype(torch::kLong));
   int64_t* op = out.data_ptr<int64_t>();
-  dispatch(x.scalar_type(), "argmax_rows", [&](auto tag) {
+  bp::dispatch(x.scalar_type(), "argmax_rows", [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* xp = x.data_ptr<scalar_t>();
     for_rows(rows, 1, [&](int64_t r) { op[r] = argmax_row(xp + r * sx, n); });

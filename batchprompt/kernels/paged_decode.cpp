@@ -37,10 +37,6 @@ struct Problem {
   const int64_t* lens;
 };
 
-inline int64_t slot_of(const Problem& P, const int64_t* table, int64_t t) {
-  return table[t / P.block_size] * P.block_size + t % P.block_size;
-}
-
 // Calls fn(t, slot) for the keys 0..len-1 of one request, block by block.
 template <typename Fn>
 inline void for_each_key(const Problem& P, const int64_t* table, int64_t len, Fn&& fn) {
@@ -195,7 +191,7 @@ void attend_vec(const Problem& P, const scalar_t* q, const scalar_t* kc, const s
   constexpr int HC = NV <= 4 ? 4 : (NV <= 8 ? 2 : 1);  // query heads per pass over the values
   const int64_t len = P.lens[b], group = P.heads / P.kv_heads;
   const int64_t* table = P.tables + b * P.table_stride;
-  for (int64_t t = 0; t < len; ++t) offs[t] = slot_of(P, table, t) * P.slot_stride;
+  for_each_key(P, table, len, [&](int64_t t, int64_t slot) { offs[t] = slot * P.slot_stride; });
   float* rows = work;                          // [16][slot_stride]
   float* scores = rows + 16 * P.slot_stride;   // [heads][len]
   const scalar_t* qb = q + b * P.q_sb;
@@ -306,11 +302,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
     TORCH_CHECK(P.lens[b] >= 1 && P.lens[b] <= table.size(1) * block_size, "context length out of the block table");
     P.max_len = std::max(P.max_len, P.lens[b]);
   }
-  switch (q.scalar_type()) {
-    case at::kFloat: decode_attention_impl<float>(P, q, k_cache, v_cache, out); break;
-    case at::kBFloat16: decode_attention_impl<at::BFloat16>(P, q, k_cache, v_cache, out); break;
-    case at::kHalf: decode_attention_impl<at::Half>(P, q, k_cache, v_cache, out); break;
-    default: TORCH_CHECK(false, "decode_attention: float32, bfloat16 or float16 only, got ", q.scalar_type());
-  }
+  bp::dispatch(q.scalar_type(), "decode_attention", [&](auto tag) {
+    decode_attention_impl<decltype(tag)>(P, q, k_cache, v_cache, out);
+  });
   return out;
 }

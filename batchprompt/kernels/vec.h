@@ -1,7 +1,23 @@
-// Sixteen-lane float32 helpers over AVX-512, shared by the CPU kernels.
+// Helpers shared by the CPU kernels: the dtype dispatch, and sixteen-lane float32 vectors
+// over AVX-512.
 #pragma once
 
 #include <torch/extension.h>
+
+namespace bp {
+
+// Calls fn(T{}) with T the storage type of `dtype` (fn is a generic lambda).
+template <typename Fn>
+inline void dispatch(at::ScalarType dtype, const char* name, Fn&& fn) {
+  switch (dtype) {
+    case at::kFloat: fn(float{}); break;
+    case at::kBFloat16: fn(at::BFloat16{}); break;
+    case at::kHalf: fn(at::Half{}); break;
+    default: TORCH_CHECK(false, name, ": float32, bfloat16 or float16 only, got ", dtype);
+  }
+}
+
+}  // namespace bp
 
 #if defined(__AVX512F__)
 #include <immintrin.h>

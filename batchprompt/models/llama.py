@@ -10,8 +10,6 @@ from .config import ModelArgs
 from .ops import TORCH_OPS, TorchOps
 from .rotary import rotary_table
 
-
-
 # Steps of at most this many tokens (decoding) use the oneDNN-packed weights, where present.
 PACKED_MAX_ROWS = 128
 
@@ -96,6 +94,11 @@ class LlamaModel(nn.Module):
         self.head_packed: torch.Tensor | None = None
         self.reset_rotary()
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The output head's weight [vocab, hidden]: the embedding's where they are tied."""
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
     def pack_for_small_batches(self) -> bool:
         """On the CPU in bfloat16: keep a second copy of every weight matrix in oneDNN's packed
         layout, which decoding steps (up to PACKED_MAX_ROWS tokens) use: their GEMMs run about
@@ -106,7 +109,7 @@ class LlamaModel(nn.Module):
                 if isinstance(m, Dense) and m.packed is None:
                     m.packed = _pack(m.weight_t.t())
             if self.head_packed is None:
-                self.head_packed = _pack(self.embed.weight if self.lm_head is None else self.lm_head.weight)
+                self.head_packed = _pack(self.head_weight)
         except (RuntimeError, AttributeError):  # no oneDNN: plain weights only
             for m in self.modules():
                 if isinstance(m, Dense):
@@ -142,5 +145,5 @@ class LlamaModel(nn.Module):
         if self.head_packed is not None and hidden.shape[0] <= PACKED_MAX_ROWS:
             out = _packed_linear(hidden, self.head_packed, None)
         else:
-            out = F.linear(hidden, self.embed.weight if self.lm_head is None else self.lm_head.weight)
+            out = F.linear(hidden, self.head_weight)
         return out.float() if float32 else out

@@ -6,7 +6,7 @@ import torch
 from ..engine.outputs import ModelRunnerOutput, SchedulerOutput
 from ..kernels import CompiledOps, compiled_module
 from ..models.llama import LlamaModel
-from ..models.ops import TorchOps
+from ..models.ops import TORCH_OPS
 from .inputs import build_inputs
 from .kv_tensors import KVTensors
 from .sampler import sample
@@ -25,7 +25,7 @@ class ModelRunner:
         # all rows) and the layers' fused elementwise steps.
         module = compiled_module(self.device)
         self.decode_op = None if module is None else module.decode_attention
-        self.ops = TorchOps() if module is None else CompiledOps(module)
+        self.ops = TORCH_OPS if module is None else CompiledOps(module)
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             model.pack_for_small_batches()
 
