@@ -17,9 +17,10 @@ import functools
 from asyncio import get_running_loop as _running_loop
 from typing import Any, Callable, Sequence
 
-from .processor import BatchProcessor, QueueFull, value
+from .processor import BatchProcessor, QueueFull
 from .stats import BatchStats
 from .tensors import TensorBatcher
+from .waiter import Waiter
 
 
 class DynamicFunction:
@@ -53,7 +54,7 @@ class DynamicFunction:
         p = self._processor or self.processor
         if priority or timeout is not None or p.max_queue is not None:
             return (await self.amany((item,), priority=priority, timeout=timeout))[0]
-        # The common path, kept short: join this loop turn's group, await its one future.
+        # The common path, kept short: join this loop turn's group, await this item's result.
         loop = _running_loop()
         buf = p._buffers.get(loop)
         if buf is None:
@@ -64,7 +65,7 @@ class DynamicFunction:
         group = buf.group
         if pos + 1 >= p.batch_size:
             p.flush_buffer(buf, False)
-        return value((await group.future)[pos])
+        return await Waiter(group, pos, None)
 
     async def amany(self, items: Sequence, *, priority: int = 0, timeout: float | None = None) -> list:
         p = self.processor

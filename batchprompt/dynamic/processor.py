@@ -1,7 +1,7 @@
 """BatchProcessor: items from any number of callers, grouped into batches on one worker thread.
 
 One implementation serves threads and asyncio alike. A call puts its items in a priority queue
-and waits: a thread on a lock, a coroutine on a future of its own loop. The worker takes a
+and waits: a thread on a lock, a coroutine on a Waiter (a minimal future) of its own loop. The worker takes a
 batch when `batch_size` items (or `max_batch_cost`) are queued, or `timeout_ms` after the first
 of them arrived; it runs the function and hands each caller its results. Results for asyncio
 callers are handed over once per loop per batch, not once per item.
@@ -16,7 +16,9 @@ import time
 from collections import deque
 from typing import Any, Callable, Sequence
 
+from .results import Failure, unwrap, value
 from .stats import BatchStats, StatsRecorder
+from .waiter import Waiter, resolve
 
 _new_lock = threading.Lock
 # Thread callers are woken in this many chains: the next caller wakes while the current one runs.
@@ -35,21 +37,12 @@ class BatchSizeMismatch(ValueError):
     """The function returned a different number of results than it was given items."""
 
 
-class _Failure:
-    """An item's error, in its result slot."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException):
-        self.error = error
-
-
 class _Group:
     """Slots whose results are handed over together: one thread call, or the items that
-    asyncio callers on one loop submitted in the same turn of the loop (they share one future,
-    so resolving a batch costs one wake-up per loop, not one per item)."""
+    asyncio callers on one loop submitted in the same turn of the loop (they share one group,
+    so resolving a batch costs one loop callback per loop, not one per item)."""
 
-    __slots__ = ("results", "remaining", "lock", "loop", "future", "next", "timed")
+    __slots__ = ("results", "remaining", "lock", "loop", "waiters", "resolved", "next", "timed")
 
     def __init__(self, n: int, loop: asyncio.AbstractEventLoop | None):
         self.results: list[Any] = [None] * n
@@ -60,10 +53,10 @@ class _Group:
         if loop is None:
             self.lock = _new_lock()
             self.lock.acquire()
-            self.future = None
-        else:
+        else:  # asyncio callers await Waiters, woken together by waiter.resolve
             self.lock = None
-            self.future = loop.create_future()
+            self.waiters: list[Waiter] = []
+            self.resolved = False
 
     def wait(self) -> None:
         """A thread caller without a timeout: block until done, then wake the next in its chain."""
@@ -79,28 +72,8 @@ _Run = tuple
 ITEMS, GROUP, POS, COST, DEADLINE, QUEUED = range(6)
 
 
-def _resolve(groups: list[_Group]) -> None:
-    """On a caller's event loop: wake the callers of groups that finished."""
-    for group in groups:
-        if not group.future.done():
-            group.future.set_result(group.results)
-
-
-def value(r: Any) -> Any:
-    """One item's result, or its error raised."""
-    if type(r) is _Failure:
-        raise r.error
-    if isinstance(r, BaseException):  # the function put it in the item's slot
-        raise r
-    return r
-
-
-def unwrap(results: list, start: int = 0, stop: int | None = None) -> list:
-    """A caller's results; raises the first error among its items."""
-    out = results[start:stop]
-    for r in out:
-        value(r)
-    return out
+async def _await(waiter: Waiter) -> Any:
+    return await waiter
 
 
 class _LoopBuffer:
@@ -197,7 +170,7 @@ class BatchProcessor:
                      timeout: float | None = None) -> tuple[_Group, int, int]:
         """From a coroutine on `loop`: add `items` to the loop's current group, which is queued
         at the end of this turn of the loop (or at once when it holds a batch). Await the
-        group's future, then take results [start:stop]."""
+        group's results [start:stop] (`await_group`)."""
         buf = self._buffers.get(loop)
         if buf is None:
             buf = self.open_buffer(loop)
@@ -293,13 +266,11 @@ class BatchProcessor:
 
     async def await_group(self, group: _Group, start: int, stop: int, timeout: float | None) -> list:
         if timeout is None:
-            results = await group.future
-        else:
-            try:
-                results = await asyncio.wait_for(asyncio.shield(group.future), timeout)
-            except asyncio.TimeoutError:
-                raise DeadlineExceeded(f"{self.name}: no result within the {timeout}s deadline") from None
-        return unwrap(results, start, stop)
+            return await Waiter(group, start, stop)
+        try:  # cancelling this caller's waiter leaves the others in its group waiting
+            return await asyncio.wait_for(_await(Waiter(group, start, stop)), timeout)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(f"{self.name}: no result within the {timeout}s deadline") from None
 
     @property
     def stats(self) -> BatchStats:
@@ -437,7 +408,7 @@ class BatchProcessor:
         k = len(run[ITEMS])
         self._stats.errors += k
         group, pos = run[GROUP], run[POS]
-        group.results[pos:pos + k] = [_Failure(error)] * k
+        group.results[pos:pos + k] = [Failure(error)] * k
         group.remaining -= k
         if group.remaining == 0:
             finished.append(group)
@@ -464,6 +435,6 @@ class BatchProcessor:
                 head.lock.release()
         for loop, gs in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_resolve, gs)
+                loop.call_soon_threadsafe(resolve, gs)
             except RuntimeError:  # the caller's loop is closed: nobody is waiting
                 pass

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 import time
 
@@ -164,6 +165,46 @@ def test_deadline_fails_the_item_and_spares_the_others():
         rec.release.set()
 
     asyncio.run(main())
+
+
+def test_cancelling_one_asyncio_caller_spares_the_others_in_its_batch():
+    """Callers on one loop share a group; cancelling one (task.cancel, wait_for) must wake that
+    caller alone, at once, and leave the others their results, errors and contexts."""
+    rec = Recorder(hold_first=True)
+    f = bp.dynamically(batch_size=8, timeout_ms=1)(rec)
+    tag = contextvars.ContextVar("tag")
+
+    async def caller(i):
+        tag.set(i)
+        out = await f.acall(i)
+        return out, tag.get()  # the task resumes in its own context
+
+    async def main():
+        tasks = [asyncio.create_task(caller(i)) for i in range(4)]
+        await asyncio.to_thread(rec.started.wait, 5)  # the batch holding all four is running
+        tasks[1].cancel()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(f.acall(9), 0.05)  # a later caller gives up; nothing else moves
+        assert not any(t.done() for i, t in enumerate(tasks) if i != 1)
+        with pytest.raises(asyncio.CancelledError):
+            await tasks[1]  # woken while the batch still runs
+        rec.release.set()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    out = asyncio.run(main())
+    assert isinstance(out[1], asyncio.CancelledError)
+    assert [o for i, o in enumerate(out) if i != 1] == [(0, 0), (20, 2), (30, 3)]
+
+    @bp.dynamically(batch_size=4, timeout_ms=5)
+    def marks(items):
+        return [KeyError(x) if x < 0 else x for x in items]
+
+    async def mixed():
+        return await asyncio.gather(marks.acall(1), marks.acall(-2), marks.amany([3, 4]),
+                                    return_exceptions=True)
+
+    one, bad, many = asyncio.run(mixed())
+    assert one == 1 and isinstance(bad, KeyError) and many == [3, 4]
 
 
 def test_queue_limit_raises_or_blocks():

@@ -1,0 +1,122 @@
+"""Waiter: one asyncio caller's wait for its items in a group shared with other callers.
+
+Callers on one event loop that submit in the same turn of the loop share one group, whose
+results arrive together. Each caller awaits a Waiter of its own, a minimal future in the form
+that `asyncio.Task` drives (`_asyncio_future_blocking`, `add_done_callback`, `result`, `cancel`):
+
+- cancelling one caller (`task.cancel()`, `asyncio.wait_for`) wakes that caller alone with
+  CancelledError; the others keep waiting for their results (a shared asyncio.Future would be
+  cancelled for all of them);
+- when the group's results arrive, one loop callback (`resolve`) steps all its callers' tasks,
+  instead of one scheduled callback per caller.
+
+A Waiter is awaited by exactly one task, once, and is not handed to user code.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable
+
+from .results import unwrap, value
+
+_PENDING, _DONE, _CANCELLED = 0, 1, 2
+
+
+class Waiter:
+    __slots__ = ("group", "start", "stop", "state", "callback", "context", "_asyncio_future_blocking")
+
+    def __init__(self, group, start: int, stop: int | None):
+        """Results [start:stop] of `group` (stop None: the single result at `start`)."""
+        self.group = group
+        self.start, self.stop = start, stop
+        self.state = _PENDING
+        self.callback: Callable | None = None
+        self.context = None
+        self._asyncio_future_blocking = False
+
+    # ---- awaiting: `await waiter` yields the waiter itself to the task, once -------------
+    def __await__(self):
+        return self
+
+    __iter__ = __await__
+
+    def __next__(self):
+        if self.state == _PENDING and not self.group.resolved:
+            self._asyncio_future_blocking = True
+            return self
+        raise StopIteration(self.result())
+
+    # ---- the future protocol the task uses -------------------------------------------------
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        return self.group.loop
+
+    def done(self) -> bool:
+        return self.state != _PENDING or self.group.resolved
+
+    def cancelled(self) -> bool:
+        return self.state == _CANCELLED
+
+    def add_done_callback(self, fn: Callable, *, context=None) -> None:
+        if self.done():
+            self.group.loop.call_soon(fn, self, context=context)
+            return
+        if self.callback is not None:
+            raise RuntimeError("a batching waiter is awaited by one task only")
+        self.callback, self.context = fn, context
+        self.group.waiters.append(self)
+
+    def remove_done_callback(self, fn: Callable) -> int:
+        if self.callback is fn:
+            self.callback = self.context = None
+            return 1
+        return 0
+
+    def cancel(self, msg: Any = None) -> bool:
+        """Wake this caller alone with CancelledError. Its items stay in their batch (the
+        function may be running them); their results are dropped."""
+        if self.done():
+            return False
+        self.state = _CANCELLED
+        if self.callback is not None:
+            self.group.loop.call_soon(self.callback, self, context=self.context)
+        return True
+
+    def result(self) -> Any:
+        if self.state == _CANCELLED:
+            raise asyncio.CancelledError()
+        if not self.group.resolved:
+            raise asyncio.InvalidStateError("the batch has not finished")
+        results = self.group.results
+        if self.stop is None:
+            return value(results[self.start])
+        return unwrap(results, self.start, self.stop)
+
+    def exception(self) -> BaseException | None:
+        try:
+            self.result()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001
+            return e
+        return None
+
+
+def resolve(groups: list) -> None:
+    """On the callers' event loop: the groups' results are in; step every waiting task."""
+    for group in groups:
+        group.resolved = True
+        waiters, group.waiters = group.waiters, []
+        for w in waiters:
+            if w.state != _PENDING or w.callback is None:
+                continue
+            w.state = _DONE
+            try:
+                if w.context is not None:
+                    w.context.run(w.callback, w)
+                else:
+                    w.callback(w)
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # noqa: BLE001 - one caller's failure must not strand the others
+                group.loop.call_exception_handler({"message": "batching: waking a caller failed",
+                                                   "exception": e})
