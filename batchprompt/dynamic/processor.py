@@ -1,10 +1,10 @@
 """BatchProcessor: items from any number of callers, grouped into batches on one worker thread.
 
 One implementation serves threads and asyncio alike. A call puts its items in a priority queue
-and waits: a thread on a lock, a coroutine on a Waiter (a minimal future) of its own loop. The worker takes a
-batch when `batch_size` items (or `max_batch_cost`) are queued, or `timeout_ms` after the first
-of them arrived; it runs the function and hands each caller its results. Results for asyncio
-callers are handed over once per loop per batch, not once per item.
+and waits: a thread on a lock, a coroutine on a Waiter (a minimal future) of its own loop. The
+worker takes a batch when `batch_size` items (or `max_batch_cost`) are queued, or `timeout_ms`
+after the first of them arrived; it runs the function and hands each caller its results.
+Results for asyncio callers are handed over once per loop per batch, not once per item.
 """
 from __future__ import annotations
 

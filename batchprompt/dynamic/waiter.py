@@ -92,6 +92,8 @@ class Waiter:
         return unwrap(results, self.start, self.stop)
 
     def exception(self) -> BaseException | None:
+        if not self.done():
+            raise asyncio.InvalidStateError("the batch has not finished")
         try:
             self.result()
         except asyncio.CancelledError:

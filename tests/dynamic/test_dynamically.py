@@ -201,10 +201,10 @@ def test_cancelling_one_asyncio_caller_spares_the_others_in_its_batch():
 
     async def mixed():
         return await asyncio.gather(marks.acall(1), marks.acall(-2), marks.amany([3, 4]),
-                                    return_exceptions=True)
+                                    asyncio.wait_for(marks.acall(5), 5), return_exceptions=True)
 
-    one, bad, many = asyncio.run(mixed())
-    assert one == 1 and isinstance(bad, KeyError) and many == [3, 4]
+    one, bad, many, in_time = asyncio.run(mixed())
+    assert one == 1 and isinstance(bad, KeyError) and many == [3, 4] and in_time == 5
 
 
 def test_queue_limit_raises_or_blocks():
