@@ -10,7 +10,8 @@ that `asyncio.Task` drives (`_asyncio_future_blocking`, `add_done_callback`, `re
 - when the group's results arrive, one loop callback (`resolve`) steps all its callers' tasks,
   instead of one scheduled callback per caller.
 
-A Waiter is awaited by exactly one task, once, and is not handed to user code.
+A Waiter is awaited by exactly one task, once, and is not handed to user code, so it has only
+the methods a task calls.
 """
 from __future__ import annotations
 
@@ -19,17 +20,15 @@ from typing import Any, Callable
 
 from .results import unwrap, value
 
-_PENDING, _DONE, _CANCELLED = 0, 1, 2
-
 
 class Waiter:
-    __slots__ = ("group", "start", "stop", "state", "callback", "context", "_asyncio_future_blocking")
+    __slots__ = ("group", "start", "stop", "is_cancelled", "callback", "context", "_asyncio_future_blocking")
 
     def __init__(self, group, start: int, stop: int | None):
         """Results [start:stop] of `group` (stop None: the single result at `start`)."""
         self.group = group
         self.start, self.stop = start, stop
-        self.state = _PENDING
+        self.is_cancelled = False
         self.callback: Callable | None = None
         self.context = None
         self._asyncio_future_blocking = False
@@ -41,7 +40,7 @@ class Waiter:
     __iter__ = __await__
 
     def __next__(self):
-        if self.state == _PENDING and not self.group.resolved:
+        if not self.done():
             self._asyncio_future_blocking = True
             return self
         raise StopIteration(self.result())
@@ -51,10 +50,7 @@ class Waiter:
         return self.group.loop
 
     def done(self) -> bool:
-        return self.state != _PENDING or self.group.resolved
-
-    def cancelled(self) -> bool:
-        return self.state == _CANCELLED
+        return self.is_cancelled or self.group.resolved
 
     def add_done_callback(self, fn: Callable, *, context=None) -> None:
         if self.done():
@@ -65,24 +61,18 @@ class Waiter:
         self.callback, self.context = fn, context
         self.group.waiters.append(self)
 
-    def remove_done_callback(self, fn: Callable) -> int:
-        if self.callback is fn:
-            self.callback = self.context = None
-            return 1
-        return 0
-
     def cancel(self, msg: Any = None) -> bool:
         """Wake this caller alone with CancelledError. Its items stay in their batch (the
         function may be running them); their results are dropped."""
         if self.done():
             return False
-        self.state = _CANCELLED
+        self.is_cancelled = True
         if self.callback is not None:
             self.group.loop.call_soon(self.callback, self, context=self.context)
         return True
 
     def result(self) -> Any:
-        if self.state == _CANCELLED:
+        if self.is_cancelled:
             raise asyncio.CancelledError()
         if not self.group.resolved:
             raise asyncio.InvalidStateError("the batch has not finished")
@@ -91,17 +81,6 @@ class Waiter:
             return value(results[self.start])
         return unwrap(results, self.start, self.stop)
 
-    def exception(self) -> BaseException | None:
-        if not self.done():
-            raise asyncio.InvalidStateError("the batch has not finished")
-        try:
-            self.result()
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # noqa: BLE001
-            return e
-        return None
-
 
 def resolve(groups: list) -> None:
     """On the callers' event loop: the groups' results are in; step every waiting task."""
@@ -109,9 +88,8 @@ def resolve(groups: list) -> None:
         group.resolved = True
         waiters, group.waiters = group.waiters, []
         for w in waiters:
-            if w.state != _PENDING or w.callback is None:
+            if w.is_cancelled:  # already woken by cancel()
                 continue
-            w.state = _DONE
             try:
                 if w.context is not None:
                     w.context.run(w.callback, w)
