@@ -23,6 +23,9 @@ from .waiter import Waiter, resolve
 _new_lock = threading.Lock
 # Thread callers are woken in this many chains: the next caller wakes while the current one runs.
 _CHAINS = 2
+# The worker thread ends after this many seconds without items (the next call starts another), so
+# that an idle batcher holds no thread, and a method's batcher does not keep its instance alive.
+IDLE_EXIT_S = 2.0
 
 
 class QueueFull(Exception):
@@ -281,17 +284,24 @@ class BatchProcessor:
         self._worker = threading.Thread(target=self._run, name=f"dynamically-{self.name}", daemon=True)
         self._worker.start()
 
-    def _take(self) -> list[_Run]:
+    def _take(self) -> list[_Run] | None:
+        """The next batch; None when the worker has been idle for IDLE_EXIT_S and should end."""
         with self._cond:
             while True:
                 if not self._size:
                     # Expect more soon: wait one timeout without asking callers to wake us for
                     # their first item (a wake-up then only costs a GIL hand-off); then idle.
                     self._cond.wait(self.timeout)
-                    while not self._size:
+                    if not self._size:
                         self._idle = True
-                        self._cond.wait()
+                        self._cond.wait(IDLE_EXIT_S)
                         self._idle = False
+                        if not self._size:  # end; a caller seeing no worker starts another
+                            self._worker = None
+                            if self._loop is not None:  # under the lock: the next worker makes its own
+                                self._loop.close()
+                                self._loop = None
+                            return None
                 full = self._size >= self.batch_size or (
                     self.max_batch_cost is not None and self._queued_cost >= self.max_batch_cost)
                 left = self._first_arrival + self.timeout - time.monotonic()
@@ -336,6 +346,8 @@ class BatchProcessor:
     def _run(self) -> None:
         while True:
             batch = self._take()
+            if batch is None:
+                return
             now = time.monotonic()
             finished: list[_Group] = []
             live = batch

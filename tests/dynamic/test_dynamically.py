@@ -91,6 +91,40 @@ def test_async_function_and_methods():
     assert asyncio.run(b.predict.acall(1)) == 3
 
 
+def test_an_idle_worker_ends_and_frees_a_methods_instance(monkeypatch):
+    """The worker thread ends after IDLE_EXIT_S without items, so a method's batcher does not keep
+    its instance (and its model) alive; the next call starts a new worker."""
+    import gc
+    import weakref
+
+    from batchprompt.dynamic import processor
+    monkeypatch.setattr(processor, "IDLE_EXIT_S", 0.05)
+
+    class Model:
+        @bp.dynamically(batch_size=4, timeout_ms=1)
+        def predict(self, items):
+            return [x + 1 for x in items]
+
+        @bp.dynamically(batch_size=4, timeout_ms=1)
+        async def apredict(self, items):
+            return [x + 2 for x in items]
+
+    model = Model()
+    assert model.predict(1) == 2 and model.apredict(1) == 3
+    workers = [model.predict.processor._worker, model.apredict.processor._worker]
+    for w in workers:
+        w.join(5)
+        assert not w.is_alive()
+    assert model.predict(2) == 3 and model.apredict(2) == 4  # a new worker (and a new loop)
+    assert model.predict.processor._worker is not workers[0]
+    ref = weakref.ref(model)
+    del model
+    time.sleep(0.3)
+    gc.collect()
+    assert ref() is None
+    assert not [t for t in threading.enumerate() if "test_an_idle_worker" in t.name]
+
+
 def test_a_batch_closes_after_the_timeout_since_its_first_item():
     rec = Recorder()
     f = bp.dynamically(batch_size=100, timeout_ms=300)(rec)
