@@ -14,6 +14,8 @@ import bisect
 import threading
 import time
 from collections import deque
+from itertools import chain
+from operator import itemgetter
 from typing import Any, Callable, Sequence
 
 from .results import Failure, unwrap, value
@@ -26,6 +28,9 @@ _CHAINS = 2
 # The worker thread ends after this many seconds without items (the next call starts another), so
 # that an idle batcher holds no thread, and a method's batcher does not keep its instance alive.
 IDLE_EXIT_S = 2.0
+# Each thread keeps the one-item group of its last plain call for its next one: a finished
+# group's lock is held again by its caller, as a new one's is, so reuse skips making a lock.
+_spare = threading.local()
 
 
 class QueueFull(Exception):
@@ -63,9 +68,18 @@ class _Group:
 
     def wait(self) -> None:
         """A thread caller without a timeout: block until done, then wake the next in its chain."""
-        self.lock.acquire()
+        try:
+            self.lock.acquire()
+        except BaseException:
+            self.leave()
+            raise
         if self.next is not None:
             self.next.lock.release()
+
+    def leave(self) -> None:
+        """The caller's wait was interrupted (KeyboardInterrupt in the main thread): a helper
+        thread takes its wake-up and passes it on, so that the rest of its chain still wakes."""
+        threading.Thread(target=self.wait, name="dynamically-chain", daemon=True).start()
 
 
 # The queue holds runs: consecutive items of one group, as a plain tuple (few objects, so that
@@ -73,6 +87,7 @@ class _Group:
 # (items, group, position of items[0] in the group's results, cost, deadline or None, time queued)
 _Run = tuple
 ITEMS, GROUP, POS, COST, DEADLINE, QUEUED = range(6)
+_items_of, _deadline_of, _queued_of = itemgetter(ITEMS), itemgetter(DEADLINE), itemgetter(QUEUED)
 
 
 async def _await(waiter: Waiter) -> Any:
@@ -112,7 +127,7 @@ class BatchProcessor:
         self.cost, self.max_batch_cost = cost, max_batch_cost
         self.split_on_error = split_on_error
         self.name = name or getattr(fn, "__qualname__", "function")
-        lock = _new_lock()
+        lock = self._lock = _new_lock()
         self._cond = threading.Condition(lock)  # the worker waits here for items
         self._room = threading.Condition(lock)  # callers wait here for queue room (block_when_full)
         # FIFO queues by (-priority, small-call rank): pushes and pops of many items stay in C
@@ -148,9 +163,10 @@ class BatchProcessor:
 
     def call_one(self, item: Any) -> Any:
         """From a thread, the common case (one item, no priority, deadline or cost), kept short."""
-        group = _Group(1, None)
+        # Taken out while in use, so that a nested call (a signal handler) makes its own.
+        group = _spare.__dict__.pop("group", None) or _Group(1, None)
         now = time.monotonic()
-        with self._cond:
+        with self._lock:  # the Condition's own lock: `with self._cond` adds two Python calls
             if self.max_queue is not None:
                 self._wait_for_room(1)
             q = self._queues.get((0, 0))
@@ -166,8 +182,19 @@ class BatchProcessor:
                 self._cond.notify()
             if self._worker is None:
                 self._start_worker()
-        group.wait()
-        return value(group.results[0])
+        try:
+            group.lock.acquire()  # group.wait(), inline
+        except BaseException:
+            group.leave()
+            raise
+        if group.next is not None:
+            group.next.lock.release()
+            group.next = None
+        results = group.results
+        r, results[0] = results[0], None
+        group.remaining = 1
+        _spare.group = group  # not reached if the wait was interrupted: the group may still be queued
+        return r if type(r) is not Failure and not isinstance(r, BaseException) else value(r)
 
     def submit_async(self, items: Sequence, loop: asyncio.AbstractEventLoop, priority: int = 0,
                      timeout: float | None = None) -> tuple[_Group, int, int]:
@@ -308,33 +335,11 @@ class BatchProcessor:
                 if full or left <= 0:
                     break
                 self._cond.wait(left)
-            batch: list[_Run] = []
-            count, cost, full = 0, 0.0, False
-            for key in list(self._keys):
-                q = self._queues[key]
-                while q and not full:
-                    run = q[0]
-                    k = len(run[ITEMS])
-                    if self.max_batch_cost is not None and batch and cost + run[COST] > self.max_batch_cost:
-                        full = True
-                        break
-                    room = self.batch_size - count
-                    if k <= room:
-                        q.popleft()
-                        batch.append(run)
-                        count += k
-                        cost += run[COST]
-                    else:  # the run is longer than the room: split it (count mode only)
-                        items, group, pos, _, deadline, queued = run
-                        batch.append((items[:room], group, pos, room, deadline, queued))
-                        q[0] = (items[room:], group, pos + room, k - room, deadline, queued)
-                        count += room
-                    full = count >= self.batch_size
-                if not q:
-                    del self._queues[key]
-                    self._keys.remove(key)
-                if full:
-                    break
+            if len(self._keys) == 1 and self._size <= self.batch_size and self.cost is None:
+                batch = list(self._queues.pop(self._keys.pop()))  # the common case, in C
+                count, cost = self._size, 0.0
+            else:
+                batch, count, cost = self._take_runs()
             self._size -= count
             if self.cost is not None:
                 self._queued_cost -= cost
@@ -342,6 +347,37 @@ class BatchProcessor:
             if self.max_queue is not None:
                 self._room.notify_all()
             return batch
+
+    def _take_runs(self) -> tuple[list[_Run], int, float]:
+        """Runs for one batch, by priority then arrival, cut at batch_size or max_batch_cost."""
+        batch: list[_Run] = []
+        count, cost, full = 0, 0.0, False
+        for key in list(self._keys):
+            q = self._queues[key]
+            while q and not full:
+                run = q[0]
+                k = len(run[ITEMS])
+                if self.max_batch_cost is not None and batch and cost + run[COST] > self.max_batch_cost:
+                    full = True
+                    break
+                room = self.batch_size - count
+                if k <= room:
+                    q.popleft()
+                    batch.append(run)
+                    count += k
+                    cost += run[COST]
+                else:  # the run is longer than the room: split it (count mode only)
+                    items, group, pos, _, deadline, queued = run
+                    batch.append((items[:room], group, pos, room, deadline, queued))
+                    q[0] = (items[room:], group, pos + room, k - room, deadline, queued)
+                    count += room
+                full = count >= self.batch_size
+            if not q:
+                del self._queues[key]
+                self._keys.remove(key)
+            if full:
+                break
+        return batch, count, cost
 
     def _run(self) -> None:
         while True:
@@ -351,7 +387,7 @@ class BatchProcessor:
             now = time.monotonic()
             finished: list[_Group] = []
             live = batch
-            if any(r[DEADLINE] is not None for r in batch):
+            if list(map(_deadline_of, batch)).count(None) != len(batch):  # some run has a deadline
                 live = []
                 for run in batch:
                     if run[DEADLINE] is not None and run[DEADLINE] < now:
@@ -360,9 +396,7 @@ class BatchProcessor:
                     else:
                         live.append(run)
             if live:
-                self._stats.batch(sum(len(r[ITEMS]) for r in live),
-                                  sum((now - r[QUEUED]) * len(r[ITEMS]) for r in live))
-                self._process(live, finished)
+                self._process(live, finished, now)
             self._hand_over(finished)
 
     def _call_fn(self, items: list) -> Sequence:
@@ -377,13 +411,18 @@ class BatchProcessor:
             raise BatchSizeMismatch(f"{self.name} returned {len(out)} results for a batch of {len(items)} items")
         return out
 
-    def _process(self, runs: list[_Run], finished: list[_Group]) -> None:
-        if len(runs) == 1:
-            items = runs[0][ITEMS]
-        else:
-            items = []
-            for run in runs:
-                items.extend(run[ITEMS])
+    def _process(self, runs: list[_Run], finished: list[_Group], started: float | None = None) -> None:
+        """Run the function on the runs' items and put the results in their groups' slots.
+        `started`: when the batch was taken (given once per batch, for the stats, and not again
+        for the halves of a split)."""
+        items = runs[0][ITEMS] if len(runs) == 1 else list(chain.from_iterable(map(_items_of, runs)))
+        singles = len(items) == len(runs)  # one item per run (thread calls): no slicing below
+        if started is not None:
+            queued = list(map(_queued_of, runs))
+            if singles:
+                self._stats.batch(len(items), started * len(items) - sum(queued))
+            else:
+                self._stats.batch(len(items), sum((started - q) * len(r[ITEMS]) for q, r in zip(queued, runs)))
         try:
             out = self._call_fn(items)
         except BatchSizeMismatch as e:  # the whole batch's callers get this error
@@ -392,17 +431,26 @@ class BatchProcessor:
             return
         except Exception as e:  # noqa: BLE001
             if self.split_on_error and len(items) > 1:  # isolate the culprit: bisect and retry
-                singles = [([item], run[GROUP], run[POS] + i, 1, run[DEADLINE], run[QUEUED])
-                           for run in runs for i, item in enumerate(run[ITEMS])]
-                mid = len(singles) // 2
-                self._process(singles[:mid], finished)
-                self._process(singles[mid:], finished)
+                ones = [([item], run[GROUP], run[POS] + i, 1, run[DEADLINE], run[QUEUED])
+                        for run in runs for i, item in enumerate(run[ITEMS])]
+                mid = len(ones) // 2
+                self._process(ones[:mid], finished)
+                self._process(ones[mid:], finished)
             else:
                 for run in runs:
                     self._fail(run, e, finished)
             return
         end = time.monotonic()
         lat = self._stats.latencies
+        if singles:
+            lat.extend([end - q for q in map(_queued_of, runs)])
+            for run, result in zip(runs, out):
+                group = run[GROUP]
+                group.results[run[POS]] = result
+                group.remaining -= 1
+                if not group.remaining:
+                    finished.append(group)
+            return
         as_list = type(out) is list
         off = 0
         for run in runs:

@@ -169,6 +169,38 @@ def test_small_calls_and_higher_priority_go_first():
     assert sorted(order[2:]) == [100, 101, 102, 103, 104, 105]
 
 
+def test_an_interrupted_thread_caller_does_not_stall_the_others_in_its_batch():
+    """Ctrl-C while the main thread waits (here a signal handler that raises): that call raises,
+    and the callers that its thread would have woken in its chain still get their results."""
+    import signal
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(*_):
+        raise Interrupted
+
+    rec = Recorder(hold_first=True)
+    f = bp.dynamically(batch_size=64, timeout_ms=100)(rec)
+    results = {}
+    others = [threading.Thread(target=lambda i=i: results.__setitem__(i, f(i))) for i in range(1, 9)]
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        threading.Timer(0.02, lambda: [t.start() for t in others]).start()
+        with pytest.raises(Interrupted):
+            f(0)  # first in the batch, so the head of a chain
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert len(rec.batches) == 1 and sorted(rec.batches[0]) == list(range(9))  # one batch, held
+    rec.release.set()
+    for t in others:
+        t.join(5)
+    assert results == {i: 10 * i for i in range(1, 9)}
+    assert f(9) == 90
+
+
 def test_deadline_fails_the_item_and_spares_the_others():
     rec = Recorder(hold_first=True)
     f = bp.dynamically(batch_size=2, timeout_ms=1)(rec)
