@@ -98,7 +98,7 @@ def test_an_idle_worker_ends_and_frees_a_methods_instance(monkeypatch):
     import weakref
 
     from batchprompt.dynamic import processor
-    monkeypatch.setattr(processor, "IDLE_EXIT_S", 0.05)
+    monkeypatch.setattr(processor, "IDLE_EXIT_S", 0.5)
 
     class Model:
         @bp.dynamically(batch_size=4, timeout_ms=1)
@@ -116,10 +116,12 @@ def test_an_idle_worker_ends_and_frees_a_methods_instance(monkeypatch):
         w.join(5)
         assert not w.is_alive()
     assert model.predict(2) == 3 and model.apredict(2) == 4  # a new worker (and a new loop)
-    assert model.predict.processor._worker is not workers[0]
+    again = [model.predict.processor._worker, model.apredict.processor._worker]
+    assert again[0] is not workers[0] and again[1] is not workers[1]
     ref = weakref.ref(model)
     del model
-    time.sleep(0.3)
+    for w in again:
+        w.join(5)
     gc.collect()
     assert ref() is None
     assert not [t for t in threading.enumerate() if "test_an_idle_worker" in t.name]
