@@ -75,6 +75,7 @@ class _Group:
             raise
         if self.next is not None:
             self.next.lock.release()
+            self.next = None  # a thread's group is reused for its next call (call_one)
 
     def leave(self) -> None:
         """The caller's wait was interrupted (KeyboardInterrupt in the main thread): a helper
@@ -182,19 +183,12 @@ class BatchProcessor:
                 self._cond.notify()
             if self._worker is None:
                 self._start_worker()
-        try:
-            group.lock.acquire()  # group.wait(), inline
-        except BaseException:
-            group.leave()
-            raise
-        if group.next is not None:
-            group.next.lock.release()
-            group.next = None
+        group.wait()
         results = group.results
         r, results[0] = results[0], None
         group.remaining = 1
         _spare.group = group  # not reached if the wait was interrupted: the group may still be queued
-        return r if type(r) is not Failure and not isinstance(r, BaseException) else value(r)
+        return value(r)
 
     def submit_async(self, items: Sequence, loop: asyncio.AbstractEventLoop, priority: int = 0,
                      timeout: float | None = None) -> tuple[_Group, int, int]:
@@ -417,12 +411,9 @@ class BatchProcessor:
         for the halves of a split)."""
         items = runs[0][ITEMS] if len(runs) == 1 else list(chain.from_iterable(map(_items_of, runs)))
         singles = len(items) == len(runs)  # one item per run (thread calls): no slicing below
+        queued = list(map(_queued_of, runs))
         if started is not None:
-            queued = list(map(_queued_of, runs))
-            if singles:
-                self._stats.batch(len(items), started * len(items) - sum(queued))
-            else:
-                self._stats.batch(len(items), sum((started - q) * len(r[ITEMS]) for q, r in zip(queued, runs)))
+            self._stats.batch(len(items), sum((started - q) * len(r[ITEMS]) for q, r in zip(queued, runs)))
         try:
             out = self._call_fn(items)
         except BatchSizeMismatch as e:  # the whole batch's callers get this error
@@ -443,7 +434,7 @@ class BatchProcessor:
         end = time.monotonic()
         lat = self._stats.latencies
         if singles:
-            lat.extend([end - q for q in map(_queued_of, runs)])
+            lat.extend([end - q for q in queued])
             for run, result in zip(runs, out):
                 group = run[GROUP]
                 group.results[run[POS]] = result
@@ -453,12 +444,12 @@ class BatchProcessor:
             return
         as_list = type(out) is list
         off = 0
-        for run in runs:
+        for run, q in zip(runs, queued):
             k = len(run[ITEMS])
             group, pos = run[GROUP], run[POS]
             part = out[off:off + k]
             group.results[pos:pos + k] = part if as_list else list(part)
-            lat.extend([end - run[QUEUED]] * k)
+            lat.extend([end - q] * k)
             off += k
             group.remaining -= k
             if group.remaining == 0:
