@@ -1,6 +1,7 @@
-"""The reference bulk workload: the SMS spam set beside the checkout."""
+"""The reference bulk workload: the SMS spam set beside the checkout (or where $BATCHPROMPT_DATA says)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 SPAM_SYSTEM = ("You are a spam filter for SMS messages. Read the message and answer with "
@@ -16,14 +17,46 @@ SPAM_EXAMPLES = [
              "CLAIM to No: 81010 T&C www.dbuk.net LCCLTD POBOX 4403LDNW1A7RW18"),
     ("ham", "Ok lar... Joking wif u oni..."),
 ]
-DEFAULT_SMS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "sms_spam.tsv"
+SMS_FILE = "sms_spam.tsv"
+DATA_ENV = "BATCHPROMPT_DATA"
+#: The data beside the checkout: <repository>/../shared/data (the repository found from this file).
+REPO_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+DEFAULT_SMS = REPO_DATA / SMS_FILE
 
 
-def read_sms(path: str | Path = DEFAULT_SMS, limit: int | None = None) -> list[tuple[str, str]]:
-    """(label, text) rows. Each line is split on its first tab: texts hold quote characters."""
+def data_candidates(name: str) -> list[Path]:
+    """Where a data file is looked for. $BATCHPROMPT_DATA (a directory holding it, or the file
+    itself) when set, and then only there: a wrong setting is an error, not a silent fallback.
+    Otherwise the shared data beside the repository, then ../shared/data from the current
+    directory (an installed, not editable, package run from a checkout)."""
+    env = os.environ.get(DATA_ENV)
+    if env:
+        given = Path(env).expanduser()
+        return [given if given.name == name else given / name]
+    return [REPO_DATA / name, Path.cwd().parent / "shared" / "data" / name]
+
+
+def find_data(name: str) -> Path:
+    """The first existing candidate for `name`, or one error naming every path tried."""
+    tried = data_candidates(name)
+    for path in tried:
+        if path.is_file():
+            return path
+    where = (f"{DATA_ENV}={os.environ[DATA_ENV]} points to {tried[0]}" if os.environ.get(DATA_ENV)
+             else f"looked at {', '.join(map(str, tried))}")
+    raise FileNotFoundError(f"{name} not found: {where}. Set {DATA_ENV} to the directory that holds "
+                            f"it (or to the file itself), or pass its path")
+
+
+def read_sms(path: str | Path | None = None, limit: int | None = None) -> list[tuple[str, str]]:
+    """(label, text) rows of `path`, by default sms_spam.tsv wherever `find_data` finds it. Each
+    line is split on its first tab: texts hold quote characters."""
+    if path is None:
+        path = find_data(SMS_FILE)
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"SMS data not found at {path}: pass the path of sms_spam.tsv")
+        raise FileNotFoundError(f"SMS data not found at {path}: pass the path of {SMS_FILE}, or leave it "
+                                f"out to search ${DATA_ENV} and ../shared/data")
     rows = []
     with open(path, encoding="utf-8") as f:
         next(f)

@@ -10,7 +10,7 @@ import time
 
 import batchprompt as bp
 
-from .data import DEFAULT_SMS, SPAM_EXAMPLES, SPAM_SYSTEM, example_turns, label_scores, read_sms
+from .data import SPAM_EXAMPLES, SPAM_SYSTEM, example_turns, label_scores, read_sms
 
 LABELS = ["spam", "ham"]
 
@@ -18,7 +18,8 @@ LABELS = ["spam", "ham"]
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=500, help="how many SMS to classify (default 500)")
-    ap.add_argument("--data", default=str(DEFAULT_SMS), help="path of sms_spam.tsv")
+    ap.add_argument("--data", default=None,
+                    help="path of sms_spam.tsv (default: $BATCHPROMPT_DATA, else ../shared/data)")
     ap.add_argument("--model", default=None, help="model: .gguf, HF directory or hub id (default: embedded)")
     ap.add_argument("--choice-mode", default="decode", choices=["decode", "score"],
                     help="constrained decoding (default) or each label's log-likelihood")

@@ -1,20 +1,24 @@
 """Build and load the C++ kernels with PyTorch's extension builder.
 
-The sources are compiled once per machine (`-march=native`: the kernels use the CPU's own
-vector units) into PyTorch's extension cache, ~/.cache/torch_extensions, and loaded from
-there afterwards. `make install` builds them ahead of time (`python -m batchprompt.kernels`).
-Where no compiler is found or the build fails, the engine runs its pure-PyTorch attention
-and layer steps and says so once in the log; results are the same, only slower. Set
-BATCHPROMPT_KERNELS=0 to run without them.
+The sources are compiled once per CPU (`-march=native`: the kernels use the CPU's own
+vector units) into PyTorch's extension cache, ~/.cache/torch_extensions, under a name that
+holds the sources, flags, compiler and CPU (`extension_name`), and loaded from there
+afterwards. `make install` builds them ahead of time (`python -m batchprompt.kernels`).
+Where no compiler is found or the build fails, on a GPU, or with BATCHPROMPT_KERNELS=0, the
+engine runs its pure-PyTorch attention and layer steps and says so once in the log; results
+are the same, only slower.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
+import platform
+import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -23,13 +27,59 @@ log = logging.getLogger("batchprompt")
 _SOURCES = [Path(__file__).with_name(n) for n in ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp")]
 _HEADERS = [Path(__file__).with_name("vec.h")]
 _NAME = "batchprompt_kernels"
+_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+# The /proc/cpuinfo fields that identify what `-march=native` compiles for (x86, then ARM).
+_CPU_FIELDS = {"vendor_id", "cpu family", "model", "model name", "flags",
+               "CPU implementer", "CPU architecture", "CPU variant", "CPU part", "Features"}
 _lock = threading.Lock()
 _module = None
 _failed: str | None = None
+_said: set[str] = set()  # the fallback reasons already logged
+_said_lock = threading.Lock()
 
 
 def kernels_enabled() -> bool:
     return os.environ.get("BATCHPROMPT_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def extension_name(sources: bytes, cflags: Sequence[str], compiler: str, cpu: str,
+                   torch_version: str = torch.__version__) -> str:
+    """The build's name in PyTorch's extension cache, which is keyed by name alone. It holds
+    everything that decides the library's machine code: the sources, the flags, the compiler
+    and the CPU that `-march=native` compiled for. A home directory shared by machines with
+    different CPUs then keeps one build per CPU instead of loading another CPU's build, which
+    dies with an illegal instruction (SIGILL) on the first kernel call."""
+    h = hashlib.sha256()
+    for part in (sources, "\0".join(cflags).encode(), compiler.encode(), cpu.encode(), torch_version.encode()):
+        h.update(hashlib.sha256(part).digest())
+    return f"{_NAME}_{h.hexdigest()[:16]}"
+
+
+def cpu_identity(cpuinfo: str | None = None) -> str:
+    """The CPU as `-march=native` sees it: its model and its instruction-set flags, from the
+    first processor in /proc/cpuinfo (x86 `flags`, ARM `Features`). Fields that change while
+    it runs (clock speed, bogomips) are left out, so they never force a rebuild."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:  # not Linux: what the platform module knows
+            return f"{platform.machine()} {platform.processor()}"
+    fields = []
+    for line in cpuinfo.split("\n\n", 1)[0].splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in _CPU_FIELDS:
+            fields.append(f"{key.strip()}={' '.join(value.split())}")
+    return f"{platform.machine()} " + "; ".join(fields)
+
+
+def compiler_version(cxx: str) -> str:
+    """The first line of `cxx --version` (the compiler PyTorch's builder will run), or a marker
+    when there is none: that build fails anyway, and says why."""
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{cxx}: unavailable ({type(e).__name__})"
+    return f"{cxx}: {(out.stdout.strip().splitlines() or [''])[0]}"
 
 
 def _build():
@@ -40,10 +90,11 @@ def _build():
     bindir = str(Path(sys.executable).parent)
     if bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-    # Sources are part of the name, so an edited kernel is never confused with an old build.
-    digest = hashlib.sha1(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)).hexdigest()[:10]
-    return load(name=f"{_NAME}_{digest}", sources=[str(p) for p in _SOURCES],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+    sources = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
+    # PyTorch's builder runs $CXX, else c++ (torch.utils.cpp_extension.get_cxx_compiler).
+    compiler = compiler_version(os.environ.get("CXX", "c++"))
+    name = extension_name(sources, _CFLAGS, compiler, cpu_identity())
+    return load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=list(_CFLAGS),
                 verbose=os.environ.get("BATCHPROMPT_KERNELS_VERBOSE") == "1")
 
 
@@ -61,9 +112,25 @@ def _load():
     return _module
 
 
+def _say_once(reason: str, message: str, *args) -> None:
+    """Log why the PyTorch ops run, once per process and reason (one engine or a hundred)."""
+    with _said_lock:
+        if reason in _said:
+            return
+        _said.add(reason)
+    log.info(message, *args)
+
+
 def compiled_module(device: torch.device):
     """The compiled kernels for `device`, or None where the PyTorch paths must be used (a GPU,
-    kernels turned off, or no build possible)."""
-    if device.type != "cpu" or not kernels_enabled():
+    kernels turned off, or no build possible). Each of those says so once in the log: a
+    failed build as a warning, a GPU or BATCHPROMPT_KERNELS=0 (choices, not faults) as info."""
+    if device.type != "cpu":
+        _say_once(f"device:{device.type}", "running on %s: the engine uses PyTorch's attention and layer "
+                  "ops there (the compiled kernels are for the CPU)", device.type)
+        return None
+    if not kernels_enabled():
+        _say_once("disabled", "BATCHPROMPT_KERNELS=%s: the compiled CPU kernels are off; running PyTorch's "
+                  "attention and layer ops instead (same results, slower)", os.environ.get("BATCHPROMPT_KERNELS"))
         return None
     return _load()

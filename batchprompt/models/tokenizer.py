@@ -55,9 +55,13 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self.hf)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`text` as a prompt, the way the model's own tokenizer encodes it by default
+        (`tokenizer(text)`): with the BOS token where the tokenizer adds one (Llama), as vLLM
+        does for a completion prompt. `add_special_tokens=False` for a piece of text that
+        continues a sequence (a choice label after the prompt)."""
         with self._lock:
-            return self.hf.encode(text, add_special_tokens=False)
+            return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: Sequence[int]) -> str:
         with self._lock:
@@ -74,4 +78,8 @@ class Tokenizer:
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def encode_prompt(self, prompt: str | Sequence[Message], system: str | None = None) -> list[int]:
-        return self.encode(self.render(prompt, system))
+        """The rendered prompt's tokens. A chat template writes every special token itself (the
+        BOS too, where the model wants one), so nothing is added: the tokens equal
+        `apply_chat_template(..., tokenize=True)`'s and a template's BOS is never doubled.
+        Without a template the joined text is a raw prompt and gets what `encode` adds."""
+        return self.encode(self.render(prompt, system), add_special_tokens=not self.has_chat_template)

@@ -1,0 +1,98 @@
+"""Prompt tokens against `transformers` on the same tokenizer files: a raw prompt gets what the
+tokenizer adds by default (the BOS of Llama-family models); a chat-rendered prompt gets exactly
+what its template writes."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from batchprompt.models import ModelSource, Tokenizer, resolve_model
+
+LLAMA2_TEMPLATE = "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"
+CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                   "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEXTS = ["hello world", "the quick brown fox jumps", "<s> hello"]
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
+
+
+def _llama_style_dir(path, chat_template):
+    """A tiny BPE tokenizer whose post-processor puts <s> before every text, as Llama's does
+    (ids below the tiny test model's vocabulary of 97; <s> is 1, as in its config)."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    tk = RustTokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace()
+    tk.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=90, special_tokens=["<unk>", "<s>", "</s>"])
+    tk.train_from_iterator(["hello world, the quick brown fox jumps [INST] be brief [/INST]"] * 20, trainer)
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                      special_tokens=[("<s>", tk.token_to_id("<s>"))])
+    tk.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+              "unk_token": "<unk>", "add_bos_token": True}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def _template_ids(hf, messages):
+    out = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+@pytest.mark.parametrize("template", [LLAMA2_TEMPLATE, CHATML_TEMPLATE, None],
+                         ids=["template-writes-bos", "template-without-bos", "no-template"])
+def test_local_llama_style_tokenizer_matches_transformers(tmp_path, template):
+    from transformers import AutoTokenizer
+
+    path = _llama_style_dir(tmp_path, template)
+    hf = AutoTokenizer.from_pretrained(str(path))
+    ours = Tokenizer.load(ModelSource("hf_dir", path, "tiny"))  # tokenizer files only, no weights
+    bos = hf.bos_token_id
+    for text in TEXTS:
+        expected = hf(text)["input_ids"]
+        assert expected[0] == bos  # the tokenizer made here does add a BOS
+        assert ours.encode(text) == expected
+        assert ours.encode(text, add_special_tokens=False) == hf(text, add_special_tokens=False)["input_ids"]
+    ids = ours.encode_prompt(MESSAGES[1]["content"], system=MESSAGES[0]["content"])
+    if template is None:  # joined as plain text: a raw prompt
+        assert ids == hf("\n".join(m["content"] for m in MESSAGES))["input_ids"]
+    else:
+        assert ids == _template_ids(hf, MESSAGES)
+        assert ids.count(bos) == (1 if template == LLAMA2_TEMPLATE else 0)
+
+
+@pytest.mark.slow
+def test_embedded_gguf_tokenizer_matches_transformers(tmp_path, monkeypatch):
+    """The embedded GGUF, converted by us (then read back from our cache) and by transformers."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("BATCHPROMPT_CACHE", str(tmp_path))
+    source = resolve_model(None)
+    hf = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+    converted, cached = Tokenizer.load(source), Tokenizer.load(source)
+    assert any((tmp_path / "tokenizers").iterdir())
+    for ours in (converted, cached):
+        for text in TEXTS:
+            assert ours.encode(text) == hf(text)["input_ids"]
+        assert ours.encode_prompt(MESSAGES[1]["content"], system=MESSAGES[0]["content"]) == \
+            _template_ids(hf, MESSAGES)
+
+
+def test_engine_runs_a_raw_text_prompt_with_the_bos(tiny_model_dir, tmp_path):
+    """`add_request("text")`, as `/v1/completions` rows and vLLM run it: the tokenizer's BOS first."""
+    from transformers import AutoTokenizer
+
+    from batchprompt import LLMEngine, SamplingParams
+
+    path = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, path)
+    hf = AutoTokenizer.from_pretrained(str(_llama_style_dir(path, LLAMA2_TEMPLATE)))
+    engine = LLMEngine.from_pretrained(str(path), dtype="float32", device="cpu", kv_cache_memory=1 << 22)
+    out = engine.generate(["hello world"], SamplingParams(max_tokens=1))[0]
+    assert out.error is None
+    assert out.prompt_token_ids == hf("hello world")["input_ids"] and out.prompt_token_ids[0] == hf.bos_token_id
