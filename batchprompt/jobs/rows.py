@@ -3,22 +3,50 @@
 Formats: OpenAI Batch API JSONL (`custom_id`, `method`, `url`, `body`), plain JSONL with
 `prompt` or `messages` (optional `id`), CSV and Parquet with a prompt column. A bad line
 becomes a RowError with its line number; it never stops the others.
+
+Text is UTF-8; a byte-order mark at the start is skipped. Bytes that are not UTF-8 are
+replaced with U+FFFD and the row carries a warning, so the job can say how many rows had them.
+Body fields that are neither used nor known OpenAI/vLLM fields are ignored (as vLLM does) and
+counted per name on the Table, so the job can name them once.
 """
 from __future__ import annotations
 
-import io
 import json
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ..api.messages import check_messages
+
 CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
 COMPLETION_OR_CHAT = "plain"  # plain JSONL: a "prompt" string is a user turn (chat template applies)
-#: Body fields we act on; others (model, user, metadata, ...) are accepted and ignored.
+#: Body fields we act on.
 KNOWN_FIELDS = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                 "seed", "stop", "n", "logprobs", "top_logprobs", "top_k",
                 "response_format", "guided_choice", "guided_regex", "guided_json", "guided_grammar",
                 "structured_outputs", "choice_mode"}
+#: Fields of OpenAI's and vLLM's chat and completion requests that we accept and ignore without
+#: a word (`model`: the command's --model runs every row). Anything else is counted as unknown.
+IGNORED_FIELDS = {
+    # OpenAI chat and completions
+    "model", "user", "metadata", "store", "stream", "stream_options", "service_tier", "frequency_penalty",
+    "presence_penalty", "logit_bias", "tools", "tool_choice", "parallel_tool_calls", "functions",
+    "function_call", "modalities", "audio", "prediction", "reasoning_effort", "verbosity",
+    "web_search_options", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "moderation",
+    "best_of", "echo", "suffix",
+    # vLLM extra parameters
+    "use_beam_search", "min_p", "repetition_penalty", "length_penalty", "stop_token_ids",
+    "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
+    "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids",
+    "bad_words", "add_generation_prompt", "continue_final_message", "add_special_tokens", "documents",
+    "chat_template", "chat_template_kwargs", "mm_processor_kwargs", "guided_decoding_backend",
+    "guided_whitespace_pattern", "priority", "request_id", "return_tokens_as_token_ids", "cache_salt",
+    "kv_transfer_params", "vllm_xargs", "include_reasoning", "thinking_token_budget"}
+#: Top-level keys of a plain JSONL line that are not body fields.
+PLAIN_LINE_KEYS = {"id"}
+MAX_N = 128  # OpenAI's limit on choices per request
+INVALID_UTF8 = "invalid UTF-8 replaced with U+FFFD"
 
 
 class InputError(Exception):
@@ -33,6 +61,8 @@ class Row:
     messages: list[dict] | None = None
     prompt: str | None = None
     body: dict[str, Any] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()  # things a person should hear about (INVALID_UTF8)
+    unknown_fields: tuple[str, ...] = ()  # body fields ignored as unknown
 
 
 @dataclass(frozen=True)
@@ -51,6 +81,29 @@ class Table:
     format: str  # "jsonl", "csv" or "parquet"
     raw: bytes
     table: Any = None  # pyarrow.Table for csv/parquet
+
+    @property
+    def invalid_utf8_rows(self) -> int:
+        return sum(isinstance(r, Row) and INVALID_UTF8 in r.warnings for r in self.rows)
+
+    @property
+    def unknown_fields(self) -> Counter[str]:
+        """Unknown body field name -> rows that had it (ignored, as vLLM ignores them)."""
+        return Counter(f for r in self.rows if isinstance(r, Row) for f in r.unknown_fields)
+
+    def notes(self) -> list[str]:
+        """One line each for the job summary about what was read but not as written."""
+        notes = []
+        if self.invalid_utf8_rows:
+            notes.append(f"{_rows(self.invalid_utf8_rows)} had invalid UTF-8 (replaced with U+FFFD)")
+        if self.unknown_fields:
+            names = ", ".join(f"{name} ({_rows(n)})" for name, n in sorted(self.unknown_fields.items()))
+            notes.append(f"ignored unknown body fields: {names}")
+        return notes
+
+
+def _rows(n: int) -> str:
+    return f"{n} row" if n == 1 else f"{n} rows"
 
 
 def detect_format(path: str) -> str:
@@ -84,12 +137,14 @@ def read_input(path: str, column: str | None = None, stdin=None) -> Table:
                          f"(columns: {', '.join(table.column_names)})")
     if column not in table.column_names:
         raise InputError(f"{path}: no column {column!r}; the columns are: {', '.join(table.column_names)}")
+    table, bad = _replace_invalid_utf8(table)
     rows: list[Row | RowError] = []
     for i, value in enumerate(table.column(column).to_pylist(), 1):
         if not isinstance(value, str) or not value.strip():
             rows.append(RowError(i, f"row-{i}", "invalid_prompt", f"row {i}: column {column!r} is empty"))
         else:
-            rows.append(Row(i, f"row-{i}", CHAT, messages=[{"role": "user", "content": value}]))
+            rows.append(Row(i, f"row-{i}", CHAT, messages=[{"role": "user", "content": value}],
+                            warnings=(INVALID_UTF8,) if i - 1 in bad else ()))
     return Table(rows, fmt, raw, table)
 
 
@@ -104,19 +159,61 @@ def _read_table(raw: bytes, fmt: str, path: str):
         if fmt == "parquet":
             return pq.read_table(pa.BufferReader(raw))
         delimiter = "\t" if path.endswith(".tsv") else ","
+        # Not checking UTF-8 here keeps text columns text (checked, pyarrow would turn a column
+        # with one bad byte into binary); _replace_invalid_utf8 repairs them. pyarrow skips a BOM.
         return pacsv.read_csv(pa.BufferReader(raw), parse_options=pacsv.ParseOptions(delimiter=delimiter),
-                              convert_options=pacsv.ConvertOptions(strings_can_be_null=False))
+                              convert_options=pacsv.ConvertOptions(strings_can_be_null=False, check_utf8=False))
     except (pa.ArrowInvalid, OSError) as e:
         raise InputError(f"{path}: cannot read it as {fmt}: {e}") from e
 
 
+def _replace_invalid_utf8(table):
+    """The table with invalid UTF-8 in its text columns replaced by U+FFFD (so the prompt and a
+    --format table output are valid text), and the 0-based indices of the rows that had any."""
+    import pyarrow as pa
+
+    bad: set[int] = set()
+    for name in table.column_names:
+        col = table.column(name)
+        if not pa.types.is_string(col.type):
+            continue
+        try:
+            col.validate(full=True)
+            continue
+        except pa.ArrowInvalid:
+            pass
+        values = []
+        for i, b in enumerate(col.cast(pa.binary()).to_pylist()):
+            text, ok = _decode(b) if b is not None else (None, True)
+            if not ok:
+                bad.add(i)
+            values.append(text)
+        table = table.set_column(table.column_names.index(name), name, pa.array(values, pa.string()))
+    return table, bad
+
+
+def _decode(b: bytes) -> tuple[str, bool]:
+    """The text of `b`, and whether it was valid UTF-8 (if not, bad bytes become U+FFFD)."""
+    try:
+        return b.decode("utf-8"), True
+    except UnicodeDecodeError:
+        return b.decode("utf-8", errors="replace"), False
+
+
 def read_jsonl(raw: bytes) -> list[Row | RowError]:
     rows: list[Row | RowError] = []
-    text = raw.decode("utf-8", errors="replace")
-    for n, line in enumerate(io.StringIO(text), 1):
+    if raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark, as some editors write
+        raw = raw[3:]
+    # Split the bytes, not the text: a newline byte never occurs inside a UTF-8 sequence, and each
+    # line is decoded alone so that its invalid bytes are its own warning.
+    for n, chunk in enumerate(raw.split(b"\n"), 1):
+        line, ok = _decode(chunk)
         if not line.strip():
             continue
-        rows.append(parse_line(n, line))
+        row = parse_line(n, line)
+        if not ok and isinstance(row, Row):
+            row = replace(row, warnings=row.warnings + (INVALID_UTF8,))
+        rows.append(row)
     return rows
 
 
@@ -130,7 +227,8 @@ def parse_line(n: int, line: str) -> Row | RowError:
     if "body" in obj or "url" in obj or "custom_id" in obj:
         return _openai_row(n, obj)
     cid = str(obj.get("id", f"line-{n}"))
-    return _from_body(n, cid, CHAT if "messages" in obj else COMPLETION_OR_CHAT, obj)
+    body = {k: v for k, v in obj.items() if k not in PLAIN_LINE_KEYS}
+    return _from_body(n, cid, CHAT if "messages" in obj else COMPLETION_OR_CHAT, body)
 
 
 def _openai_row(n: int, obj: dict) -> Row | RowError:
@@ -151,14 +249,36 @@ def _openai_row(n: int, obj: dict) -> Row | RowError:
 
 
 def _from_body(n: int, cid: str, url: str, body: dict) -> Row | RowError:
+    problem = _check_counts(body)
+    if problem:
+        return RowError(n, cid, "invalid_request", f"line {n}: {problem}")
+    row = _row_from_body(n, cid, url, body)
+    if isinstance(row, Row):
+        unknown = tuple(k for k in body if k not in KNOWN_FIELDS and k not in IGNORED_FIELDS)
+        row = replace(row, unknown_fields=unknown) if unknown else row
+    return row
+
+
+def _check_counts(body: dict) -> str | None:
+    """What is wrong with the body's n or max_tokens, if anything. Checked here because 0 must
+    not fall back to the default. (Temperature, top_p, seed, ... are SamplingParams' to check.)"""
+    n = body.get("n")
+    if n is not None and not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N):
+        return f"n must be an integer from 1 to {MAX_N}, got {n!r}"
+    for name in ("max_tokens", "max_completion_tokens"):
+        v = body.get(name)
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            return f"{name} must be an integer >= 1, got {v!r}"
+    return None
+
+
+def _row_from_body(n: int, cid: str, url: str, body: dict) -> Row | RowError:
     if url in (CHAT, COMPLETION_OR_CHAT) and "messages" in body:
-        msgs = body["messages"]
-        if not (isinstance(msgs, list) and msgs and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in msgs)):
-            return RowError(n, cid, "invalid_messages",
-                            f"line {n}: messages must be a non-empty list of {{role, content}} with string content")
-        return Row(n, cid, CHAT, messages=[{"role": m["role"], "content": m["content"]} for m in msgs], body=body)
+        try:
+            msgs = check_messages(body["messages"], "messages")
+        except ValueError as e:
+            return RowError(n, cid, "invalid_messages", f"line {n}: {e}")
+        return Row(n, cid, CHAT, messages=msgs, body=body)
     prompt = body.get("prompt")
     if url == CHAT:
         return RowError(n, cid, "missing_messages", f"line {n}: a chat completion body needs messages")

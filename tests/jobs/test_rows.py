@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
-from batchprompt.jobs.rows import CHAT, COMPLETION, InputError, Row, RowError, read_input, read_jsonl
+from batchprompt.jobs.rows import (CHAT, COMPLETION, INVALID_UTF8, InputError, Row, RowError, Table, read_input,
+                                   read_jsonl)
 from batchprompt.jobs.run import JobOptions, row_params
 
 
@@ -82,3 +84,90 @@ def test_missing_and_unknown_inputs(tmp_path):
         read_input(str(tmp_path / "nope.jsonl"))
     with pytest.raises(InputError, match="unknown input format '.txt'"):
         read_input(str(tmp_path / "x.txt"))
+
+
+def chat(body_extra=None, **line):
+    return {"custom_id": "a", "url": CHAT, "body": {"messages": [{"role": "user", "content": "x"}],
+                                                       **(body_extra or {})}, **line}
+
+
+@pytest.mark.parametrize("body, match", [
+    ({"n": 0}, r"n must be an integer from 1 to 128, got 0"),
+    ({"n": -1}, r"n must be an integer from 1 to 128"),
+    ({"n": 1.5}, r"n must be an integer"),
+    ({"n": True}, r"n must be an integer"),
+    ({"n": 129}, r"n must be an integer from 1 to 128"),
+    ({"max_tokens": 0}, r"max_tokens must be an integer >= 1, got 0"),
+    ({"max_completion_tokens": "5"}, r"max_completion_tokens must be an integer"),
+])
+def test_bad_counts_are_row_errors_not_defaults(body, match):
+    rows = read_jsonl(lines({"prompt": "fine"}, chat(body)))
+    err = rows[1]
+    assert isinstance(err, RowError) and err.code == "invalid_request" and err.line == 2
+    assert re.search(match, err.message) and err.message.startswith("line 2:")
+
+
+def test_an_infinite_or_nan_temperature_fails_the_row():
+    opts = JobOptions("in", "out")
+    for text in ('{"temperature": 1e400}', '{"temperature": NaN}', '{"top_p": Infinity}'):
+        raw = json.dumps(chat()).replace('"body": {', '"body": ' + text[:-1] + ", ")
+        row = read_jsonl(raw.encode())[0]
+        assert isinstance(row, Row)
+        with pytest.raises(ValueError, match="must be a"):  # _prepare sends it to the errors file
+            row_params(row, opts)
+
+
+def test_messages_use_the_shared_checks():
+    rows = read_jsonl(lines(
+        chat(custom_id="parts", body_extra={"messages": [
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}),
+        chat(custom_id="wizard", body_extra={"messages": [{"role": "wizard", "content": "x"}]}),
+        chat(custom_id="image", body_extra={"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}),
+        chat(custom_id="empty", body_extra={"messages": []}),
+    ))
+    assert rows[0].messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a\nb"}]
+    assert [r.code for r in rows[1:]] == ["invalid_messages"] * 3
+    assert "unknown role 'wizard'" in rows[1].message
+    assert "type 'image_url' is not supported" in rows[2].message
+    assert "empty list of messages" in rows[3].message
+
+
+def test_a_byte_order_mark_is_skipped(tmp_path):
+    bom = b"\xef\xbb\xbf"
+    rows = read_jsonl(bom + lines({"prompt": "first"}, {"prompt": "second"}))
+    assert [type(r) for r in rows] == [Row, Row] and rows[0].messages[0]["content"] == "first"
+    p = tmp_path / "t.csv"
+    p.write_bytes(bom + b"text,label\nhello,1\n")
+    assert read_input(str(p), "text").rows[0].messages[0]["content"] == "hello"
+
+
+def test_invalid_utf8_is_replaced_and_counted(tmp_path):
+    raw = lines({"prompt": "ok"}, {"prompt": "caf\udce9"}, {"prompt": "fine"}).replace(b"\\udce9", b"\xe9")
+    rows = read_jsonl(raw)
+    assert [type(r) for r in rows] == [Row] * 3
+    assert rows[1].messages[0]["content"] == "caf\ufffd" and rows[1].warnings == (INVALID_UTF8,)
+    assert rows[0].warnings == rows[2].warnings == ()
+    assert Table(rows, "jsonl", raw).notes() == ["1 row had invalid UTF-8 (replaced with U+FFFD)"]
+    # CSV: one bad byte must not turn the whole column into "empty" rows.
+    p = tmp_path / "t.csv"
+    p.write_bytes(b"text,label\nhello,1\ncaf\xe9,2\nbye,3\n")
+    table = read_input(str(p), "text")
+    assert [r.messages[0]["content"] for r in table.rows] == ["hello", "caf\ufffd", "bye"]
+    assert table.invalid_utf8_rows == 1 and table.rows[1].warnings == (INVALID_UTF8,)
+    assert table.table.column("text").to_pylist() == ["hello", "caf\ufffd", "bye"]  # --format table writes it
+
+
+def test_unknown_body_fields_are_ignored_and_counted():
+    rows = read_jsonl(lines(
+        chat({"model": "gpt-4o", "foo": 1, "presence_penalty": 0.5}),
+        chat({"foo": 2, "bar": None}),
+        {"prompt": "plain", "id": 3, "foo": 3},
+        chat({"foo": 4, "n": 0}),  # a failed row is not counted
+    ))
+    assert [type(r) for r in rows] == [Row, Row, Row, RowError]
+    assert rows[0].unknown_fields == ("foo",) and rows[2].unknown_fields == ("foo",)
+    table = Table(rows, "jsonl", b"")
+    assert table.unknown_fields == {"foo": 3, "bar": 1}
+    assert table.notes() == ["ignored unknown body fields: bar (1 row), foo (3 rows)"]

@@ -1,0 +1,50 @@
+"""SamplingParams is the one place numbers are checked: the engine, the batch API and jobs share it."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from batchprompt.api.options import GenerationOptions
+from batchprompt.engine import SamplingParams
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"temperature": float("inf")}, r"temperature must be a finite number >= 0, got inf"),
+    ({"temperature": json.loads("1e400")}, r"temperature must be a finite number"),  # JSON's 1e400 is inf
+    ({"temperature": float("nan")}, r"temperature must be a finite number"),
+    ({"temperature": "0.5"}, r"temperature must be a finite number"),
+    ({"temperature": True}, r"temperature must be a finite number"),
+    ({"top_p": float("nan")}, r"top_p must be a number in \(0, 1\]"),
+    ({"top_p": float("inf")}, r"top_p must be a number"),
+    ({"top_k": -2}, r"top_k must be an integer >= 0"),
+    ({"top_k": 2.5}, r"top_k must be an integer"),
+    ({"max_tokens": True}, r"max_tokens must be an integer >= 1"),
+    ({"max_tokens": math.inf}, r"max_tokens must be an integer"),
+    ({"seed": 2**64}, r"seed must be a 64-bit integer"),
+    ({"seed": -2**63 - 1}, r"seed must be a 64-bit integer"),
+    ({"seed": 1.5}, r"seed must be a 64-bit integer"),
+])
+def test_bad_numbers_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_good_numbers_become_plain_python_numbers():
+    p = SamplingParams(max_tokens=np.int64(4), temperature=np.float32(0.5), top_p=1, top_k=-1,
+                       seed=np.int64(2**63 - 1))
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (4, 0.5, 1.0, 0, 2**63 - 1)
+    assert [type(v) for v in (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed)] == [int, float, float, int, int]
+    json.dumps([p.max_tokens, p.temperature, p.seed])  # jobs key identical requests on this
+
+
+def test_the_batch_api_refuses_them_before_any_work():
+    # merged() is what LanguageModel.create and every call run before anything reaches the engine.
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        GenerationOptions().merged({"temperature": float("inf")})
+    with pytest.raises(ValueError, match="top_p"):
+        GenerationOptions().merged({"top_p": float("nan")})
+    with pytest.raises(ValueError, match="seed must be a 64-bit integer"):
+        GenerationOptions().merged({"seed": 2**64})
