@@ -1,6 +1,8 @@
 """`bp.dynamically` against the `batched` package on the same no-op function, in one run (issue 5).
 
-Batch size 64, timeout 5 ms. asyncio: 20,000 tasks each awaiting one call. Threads: 64
+Batch size 64, timeout 5 ms. asyncio: 20,000 tasks each awaiting one call, twice: with a plain
+function (batched runs it in a thread per batch, ours on its worker thread) and with an `async def`
+one (batched awaits it on the callers' loop, ours runs it on its worker's own loop). Threads: 64
 threads making 5,000 calls in all. After a warm-up, each measurement alternates ours and theirs, seven
 rounds; the median of each is reported. Prints a markdown table and writes benchmarks/results/dynamic.json.
 
@@ -25,6 +27,10 @@ import batchprompt as bp
 
 
 def noop(items: list) -> list:
+    return items
+
+
+async def anoop(items: list) -> list:
     return items
 
 
@@ -76,24 +82,33 @@ def main() -> None:
     opts = dict(batch_size=64, timeout_ms=5.0)
     ours = bp.dynamically(**opts)(noop)
     theirs_sync = batched.dynamically(**opts)(noop)
-    rates: dict[str, list[float]] = {k: [] for k in ("ours_asyncio", "batched_asyncio", "ours_threads",
-                                                     "batched_threads")}
+    rates: dict[str, list[float]] = {k: [] for k in ("ours_asyncio", "batched_asyncio", "ours_asyncio_async_fn",
+                                                     "batched_asyncio_async_fn", "ours_threads", "batched_threads")}
     asyncio_rate(lambda: bp.dynamically(**opts)(noop).acall, 2000)  # warm-up, not counted
     asyncio_rate(lambda: batched.aio.dynamically(**opts)(noop), 2000)
+    asyncio_rate(lambda: bp.dynamically(**opts)(anoop).acall, 2000)
+    asyncio_rate(lambda: batched.aio.dynamically(**opts)(anoop), 2000)
     thread_rate(ours, args.threads, 640)
     thread_rate(theirs_sync, args.threads, 640)
     for _ in range(args.rounds):
         rates["ours_asyncio"].append(asyncio_rate(lambda: bp.dynamically(**opts)(noop).acall, args.callers))
         rates["batched_asyncio"].append(asyncio_rate(lambda: batched.aio.dynamically(**opts)(noop), args.callers))
+        rates["ours_asyncio_async_fn"].append(
+            asyncio_rate(lambda: bp.dynamically(**opts)(anoop).acall, args.callers))
+        rates["batched_asyncio_async_fn"].append(
+            asyncio_rate(lambda: batched.aio.dynamically(**opts)(anoop), args.callers))
         rates["ours_threads"].append(thread_rate(ours, args.threads, args.calls))
         rates["batched_threads"].append(thread_rate(theirs_sync, args.threads, args.calls))
     med = {k: statistics.median(v) for k, v in rates.items()}
     ratio = {"asyncio": med["ours_asyncio"] / med["batched_asyncio"],
+             "asyncio_async_fn": med["ours_asyncio_async_fn"] / med["batched_asyncio_async_fn"],
              "threads": med["ours_threads"] / med["batched_threads"]}
     save_results("dynamic", dict(rates=rates, median=med, ratio=ratio))
     print("| callers | batchprompt (items/s) | batched (items/s) | ratio |\n|---|---|---|---|")
     print(f"| {args.callers:,} asyncio tasks | {med['ours_asyncio']:,.0f} | {med['batched_asyncio']:,.0f} | "
           f"{ratio['asyncio']:.2f}x |")
+    print(f"| {args.callers:,} asyncio tasks, `async def` function | {med['ours_asyncio_async_fn']:,.0f} | "
+          f"{med['batched_asyncio_async_fn']:,.0f} | {ratio['asyncio_async_fn']:.2f}x |")
     print(f"| {args.threads} threads, {args.calls:,} calls | {med['ours_threads']:,.0f} | "
           f"{med['batched_threads']:,.0f} | {ratio['threads']:.2f}x |")
     print(f"\nmedian of {args.rounds} alternating rounds; ours: {ours.stats}")

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import signal
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -13,36 +13,7 @@ import torch
 import batchprompt as bp
 from batchprompt.dynamic import BatchSizeMismatch
 
-
-class Recorder:
-    """A batch function that records its batches and can hold the first one until released."""
-
-    def __init__(self, hold_first: bool = False):
-        self.batches: list[list] = []
-        self.started = threading.Event()
-        self.release = threading.Event()
-        if not hold_first:
-            self.release.set()
-
-    def __call__(self, items: list) -> list:
-        self.batches.append(list(items))
-        self.started.set()
-        self.release.wait(10)
-        return [x * 10 for x in items]
-
-
-def run_threads(fn, n: int) -> list:
-    out = [None] * n
-
-    def worker(i):
-        out[i] = fn(i)
-
-    ts = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(10)
-    return out
+from .helpers import LIMIT_S, Recorder, in_function, outcome, queued, run_threads, wait_until
 
 
 def test_one_item_many_items_threads_and_asyncio():
@@ -113,7 +84,7 @@ def test_an_idle_worker_ends_and_frees_a_methods_instance(monkeypatch):
     assert model.predict(1) == 2 and model.apredict(1) == 3
     workers = [model.predict.processor._worker, model.apredict.processor._worker]
     for w in workers:
-        w.join(5)
+        w.join(LIMIT_S)
         assert not w.is_alive()
     assert model.predict(2) == 3 and model.apredict(2) == 4  # a new worker (and a new loop)
     again = [model.predict.processor._worker, model.apredict.processor._worker]
@@ -121,32 +92,60 @@ def test_an_idle_worker_ends_and_frees_a_methods_instance(monkeypatch):
     ref = weakref.ref(model)
     del model
     for w in again:
-        w.join(5)
+        w.join(LIMIT_S)
     gc.collect()
     assert ref() is None
     assert not [t for t in threading.enumerate() if "test_an_idle_worker" in t.name]
 
 
-def test_a_batch_closes_after_the_timeout_since_its_first_item():
+class Clock:
+    """time.monotonic under the test's control: a batch's window opens and closes when the test
+    moves the clock, whatever the machine's speed. Counts the worker's reads."""
+
+    def __init__(self):
+        self.now = 1000.0
+        self.worker_reads = 0
+
+    def __call__(self) -> float:
+        if threading.current_thread().name.startswith("dynamically-"):
+            self.worker_reads += 1
+        return self.now
+
+    def move(self, f, seconds: float) -> None:
+        """Move on, and wait until the batcher's worker has read the clock and waits again (or
+        has run the batch)."""
+        self.now += seconds
+        reads, p = self.worker_reads, f.processor
+        with p._cond:
+            p._cond.notify()  # the worker reads the clock now, not at the end of its own wait
+        wait_until(lambda: self.worker_reads > reads and in_function(p._worker, "wait"), "the worker reads the clock")
+
+
+def test_a_batch_closes_after_the_timeout_since_its_first_item(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr("time.monotonic", clock)
     rec = Recorder()
     f = bp.dynamically(batch_size=100, timeout_ms=300)(rec)
-    results = []
-    t = threading.Thread(target=lambda: results.append(f(1)))
-    t0 = time.monotonic()
-    t.start()
-    time.sleep(0.05)
-    assert f(2) == 20  # joined the batch the first item opened
-    t.join()
-    elapsed = time.monotonic() - t0
-    assert rec.batches == [[1, 2]] and results == [10]
-    assert 0.25 < elapsed < 2.0
+    first = threading.Thread(target=f, args=(1,))
+    first.start()
+    queued(f, 1)
+    clock.move(f, 0.2)
+    second = threading.Thread(target=f, args=(2,))  # within the first item's window
+    second.start()
+    queued(f, 2)
+    clock.move(f, 0.09)  # 0.29 s after the first item: the window is still open
+    assert rec.batches == [] and f.stats.queue_size == 2
+    clock.move(f, 0.02)  # 0.31 s after the first item, 0.11 s after the second
+    first.join(LIMIT_S), second.join(LIMIT_S)
+    assert rec.batches == [[1, 2]]  # one batch, closed by the first item's timeout
+    assert f.stats.mean_wait_ms == pytest.approx((310 + 110) / 2)
 
 
 def _held(f, rec):
     """Start a batch that blocks, so that later calls queue up."""
     t = threading.Thread(target=f, args=(0,))
     t.start()
-    assert rec.started.wait(5)
+    assert rec.started.wait(LIMIT_S)
     return t
 
 
@@ -156,16 +155,16 @@ def test_small_calls_and_higher_priority_go_first():
     first = _held(f, rec)
     big = threading.Thread(target=f.many, args=([100, 101, 102, 103, 104, 105],))
     big.start()
-    time.sleep(0.05)
+    queued(f, 6)
     small = threading.Thread(target=f, args=(7,))
     small.start()
-    time.sleep(0.05)
+    queued(f, 7)
     urgent = threading.Thread(target=lambda: f(9, priority=5))
     urgent.start()
-    time.sleep(0.05)
+    queued(f, 8)
     rec.release.set()
     for t in (first, big, small, urgent):
-        t.join(5)
+        t.join(LIMIT_S)
     order = [x for b in rec.batches[1:] for x in b]
     assert order[:2] == [9, 7]  # priority first, then the small call, then the large one
     assert sorted(order[2:]) == [100, 101, 102, 103, 104, 105]
@@ -174,7 +173,6 @@ def test_small_calls_and_higher_priority_go_first():
 def test_an_interrupted_thread_caller_does_not_stall_the_others_in_its_batch():
     """Ctrl-C while the main thread waits (here a signal handler that raises): that call raises,
     and the callers that its thread would have woken in its chain still get their results."""
-    import signal
 
     class Interrupted(Exception):
         pass
@@ -183,24 +181,36 @@ def test_an_interrupted_thread_caller_does_not_stall_the_others_in_its_batch():
         raise Interrupted
 
     rec = Recorder(hold_first=True)
-    f = bp.dynamically(batch_size=64, timeout_ms=100)(rec)
+    f = bp.dynamically(batch_size=9, timeout_ms=60_000)(rec)  # the batch closes at the 9th caller
     results = {}
     others = [threading.Thread(target=lambda i=i: results.__setitem__(i, f(i))) for i in range(1, 9)]
-    previous = signal.signal(signal.SIGALRM, interrupt)
+    main = threading.main_thread()
+
+    def then_interrupt():
+        try:
+            queued(f, 1)  # f(0) is first in the batch, so the head of a chain
+            for t in others:
+                t.start()
+            rec.started.wait(LIMIT_S)  # the batch of all nine runs, held
+            wait_until(lambda: in_function(main, "wait"), "f(0) waits for its result")
+        finally:  # whatever happened, so that f(0) cannot wait forever
+            signal.pthread_kill(main.ident, signal.SIGUSR1)
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    helper = threading.Thread(target=then_interrupt, daemon=True)
     try:
-        signal.setitimer(signal.ITIMER_REAL, 0.3)
-        threading.Timer(0.02, lambda: [t.start() for t in others]).start()
+        helper.start()
         with pytest.raises(Interrupted):
-            f(0)  # first in the batch, so the head of a chain
+            f(0)
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-    assert len(rec.batches) == 1 and sorted(rec.batches[0]) == list(range(9))  # one batch, held
+        helper.join(LIMIT_S)
+        signal.signal(signal.SIGUSR1, previous)
+    assert len(rec.batches) == 1 and sorted(rec.batches[0]) == list(range(9))
     rec.release.set()
     for t in others:
-        t.join(5)
+        t.join(LIMIT_S)
     assert results == {i: 10 * i for i in range(1, 9)}
-    assert f(9) == 90
+    assert outcome(lambda: f.many(list(range(9, 18)))) == list(range(90, 180, 10))
 
 
 def test_deadline_fails_the_item_and_spares_the_others():
@@ -218,9 +228,9 @@ def test_deadline_fails_the_item_and_spares_the_others():
     t1 = threading.Thread(target=late)
     t2 = threading.Thread(target=lambda: results.append(f(6)))
     t1.start(), t2.start()
-    t1.join(5)
+    t1.join(LIMIT_S)
     rec.release.set()
-    t2.join(5), first.join(5)
+    t2.join(LIMIT_S), first.join(LIMIT_S)
     assert len(errors) == 1 and "deadline" in str(errors[0]) and results == [60]
 
     async def main():
@@ -228,7 +238,7 @@ def test_deadline_fails_the_item_and_spares_the_others():
             rec.release.clear()
             rec.started.clear()
             threading.Thread(target=f, args=(0,)).start()
-            await asyncio.to_thread(rec.started.wait, 5)
+            await asyncio.to_thread(rec.started.wait, LIMIT_S)
             await f.acall(1, timeout=0.05)
         rec.release.set()
 
@@ -249,7 +259,7 @@ def test_cancelling_one_asyncio_caller_spares_the_others_in_its_batch():
 
     async def main():
         tasks = [asyncio.create_task(caller(i)) for i in range(4)]
-        await asyncio.to_thread(rec.started.wait, 5)  # the batch holding all four is running
+        await asyncio.to_thread(rec.started.wait, LIMIT_S)  # the batch holding all four is running
         tasks[1].cancel()
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(f.acall(9), 0.05)  # a later caller gives up; nothing else moves
@@ -282,29 +292,29 @@ def test_queue_limit_raises_or_blocks():
     waiting = [threading.Thread(target=f, args=(i,)) for i in (1, 2)]
     for t in waiting:
         t.start()
-    time.sleep(0.05)
+    queued(f, 2)
     with pytest.raises(bp.QueueFull, match="max_queue=2"):
         f(3)
     with pytest.raises(bp.QueueFull):
         asyncio.run(f.acall(3))
     rec.release.set()
     for t in [first, *waiting]:
-        t.join(5)
+        t.join(LIMIT_S)
 
     rec2 = Recorder(hold_first=True)
     g = bp.dynamically(batch_size=1, timeout_ms=1, max_queue=1, block_when_full=True)(rec2)
     first = _held(g, rec2)
-    queued = threading.Thread(target=g, args=(1,))
-    queued.start()
-    time.sleep(0.05)
+    second = threading.Thread(target=g, args=(1,))
+    second.start()
+    queued(g, 1)
     blocked = []
     t = threading.Thread(target=lambda: blocked.append(g(2)))
     t.start()
-    time.sleep(0.1)
-    assert blocked == []  # waiting for room, not failed
+    wait_until(lambda: in_function(t, "_wait_for_room"), "g(2) waits for room")
+    assert blocked == [] and g.stats.queue_size == 1  # waiting for room, not failed nor queued
     rec2.release.set()
-    for th in (first, queued, t):
-        th.join(5)
+    for th in (first, second, t):
+        th.join(LIMIT_S)
     assert blocked == [20]
 
 
@@ -340,7 +350,7 @@ def test_a_failing_item_gets_the_error_and_the_others_get_results():
     for t in ts:
         t.start()
     for t in ts:
-        t.join(5)
+        t.join(LIMIT_S)
     assert isinstance(out[2], ValueError)
     assert [o for i, o in enumerate(out) if i != 2] == ["A", "B", "C", "D", "E"]
 

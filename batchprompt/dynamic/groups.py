@@ -1,0 +1,91 @@
+"""Groups: the callers' side of a batch. A group holds the result slots of one thread call, or
+of the asyncio calls made on one loop in one turn; `hand_over` wakes the callers of finished
+groups: threads in chains, asyncio callers with one callback per loop."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+from .waiter import Waiter, resolve
+
+new_lock = threading.Lock
+# Thread callers are woken in this many chains: the next caller wakes while the current one runs.
+_CHAINS = 2
+
+
+class _Group:
+    """Slots whose results are handed over together: one thread call, or the items that
+    asyncio callers on one loop submitted in the same turn of the loop (they share one group,
+    so resolving a batch costs one loop callback per loop, not one per item)."""
+
+    __slots__ = ("results", "remaining", "lock", "loop", "waiters", "resolved", "next", "timed")
+
+    def __init__(self, n: int, loop: asyncio.AbstractEventLoop | None):
+        self.results: list[Any] = [None] * n
+        self.remaining = n
+        self.loop = loop
+        self.next: _Group | None = None  # thread callers wake each other in a chain
+        self.timed = False  # its caller waits with a timeout (and may leave): not in a chain
+        if loop is None:
+            self.lock = new_lock()
+            self.lock.acquire()
+        else:  # asyncio callers await Waiters, woken together by waiter.resolve
+            self.lock = None
+            self.waiters: list[Waiter] = []
+            self.resolved = False
+
+    def wait(self) -> None:
+        """A thread caller without a timeout: block until done, then wake the next in its chain."""
+        try:
+            self.lock.acquire()
+        except BaseException:
+            self.leave()
+            raise
+        if self.next is not None:
+            self.next.lock.release()
+            self.next = None  # a thread's group is reused for its next call (call_one)
+
+    def leave(self) -> None:
+        """The caller's wait was interrupted (KeyboardInterrupt in the main thread): a helper
+        thread takes its wake-up and passes it on, so that the rest of its chain still wakes."""
+        threading.Thread(target=self.wait, name="dynamically-chain", daemon=True).start()
+
+
+class _LoopBuffer:
+    """Items from one event loop, gathered during one turn of the loop and queued together."""
+
+    __slots__ = ("items", "meta", "flags", "group", "loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.items: list = []
+        self.meta: list[tuple[int, int, int, float | None]] = []  # (start, count, priority, deadline)
+        self.flags = False  # some call had a priority, a deadline or several items
+        self.group: _Group | None = None
+
+
+def hand_over(groups: list[_Group]) -> None:
+    """Wake the callers. Threads are woken in chains: the worker wakes the head of each,
+    each caller wakes the next as it returns. A herd of 64 threads woken at once would fight
+    over the GIL and cost more than the calls (measured: 2 chains beat 1 and a herd here)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[_Group]] = {}
+    chains: list = [None] * _CHAINS
+    i = 0
+    for group in reversed(groups):
+        if group.loop is None:
+            if group.timed:
+                group.lock.release()
+            else:
+                group.next, chains[i] = chains[i], group
+                i = (i + 1) % _CHAINS
+        else:
+            by_loop.setdefault(group.loop, []).append(group)
+    for head in chains:
+        if head is not None:
+            head.lock.release()
+    for loop, gs in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(resolve, gs)
+        except Exception:  # noqa: BLE001 - the caller's loop is closed: nobody there is waiting,
+            pass  # and the callers on the other loops must still be woken
