@@ -5,10 +5,13 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
 EXIT_OK, EXIT_ROWS_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_STORAGE = 3  # the journal or an output could not be written (a full disk); resumable
+EXIT_TERMINATED = 143  # SIGTERM, as a shell reports it (128 + 15); resumable
 
 RUN_HELP = """\
 Run every row of INPUT through the model and write one result per row.
@@ -31,9 +34,12 @@ guided_grammar or structured_outputs {"choice"|"regex"|"json"|"grammar": ...}; -
 --regex and --json-schema apply to rows that ask for none. An answer cut by max_tokens before it
 completed its constraint is an error for that row.
 
-The job is journaled (OUTPUT.journal, SQLite): after a crash, Ctrl-C or kill -9, run the same
-command again to resume: only unfinished rows run. Exit status: 0 all rows ok, 1 some rows failed,
-2 bad input or options (nothing run), 130 interrupted (resumable).
+The job is journaled (OUTPUT.journal, SQLite): after a crash, Ctrl-C, SIGTERM or kill -9, run
+the same command again to resume: only unfinished rows run. One run at a time per journal: a
+second run of the same job exits 2, naming the one that holds it. Exit status: 0 all rows ok,
+1 some rows failed, 2 bad input or options (nothing run), 3 the journal or an output could not be
+written, e.g. a full disk (resumable), 130 interrupted by Ctrl-C, 143 stopped by SIGTERM
+(both resumable).
 """
 
 
@@ -84,12 +90,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_command(args: argparse.Namespace) -> int:
     from .jobs import InputError, JobOptions, JournalMismatch, run_job
+    from .jobs.lock import JournalBusy
+    from .jobs.sigterm import sigterm_as_interrupt
+    from .jobs.storage import StorageError
     from .models import ModelNotFoundError
 
     if args.max_tokens < 1:
         return _fail(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    if args.temperature < 0:
-        return _fail(f"--temperature must be >= 0, got {args.temperature}")
+    from .engine import SamplingParams
+    try:  # the engine's own checks (NaN, inf from 1e400, negative, a seed beyond 64 bits), before any work
+        SamplingParams(temperature=args.temperature, seed=args.seed)
+    except (TypeError, ValueError) as e:
+        return _fail(f"--temperature {args.temperature} / --seed {args.seed}: {e}")
     try:
         structured = _structured_options(args)
     except ValueError as e:
@@ -102,16 +114,26 @@ def run_command(args: argparse.Namespace) -> int:
                       restart=args.restart, progress=not args.no_progress, journal=args.journal,
                       engine_options=engine_options, structured=structured)
     try:
-        summary = run_job(opts)
-    except (InputError, ModelNotFoundError, JournalMismatch) as e:
+        with sigterm_as_interrupt():
+            summary = run_job(opts)
+    except (InputError, ModelNotFoundError, JournalMismatch, JournalBusy) as e:
         return _fail(str(e))
-    except KeyboardInterrupt:  # during loading: nothing computed yet
-        print("\ninterrupted before any row ran", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except StorageError as e:
+        print(f"batchprompt: error: {e}", file=sys.stderr)
+        return EXIT_STORAGE
+    except KeyboardInterrupt as e:  # during loading: nothing computed yet
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"\n{'stopped by SIGTERM' if signum == signal.SIGTERM else 'interrupted'} before any row ran",
+              file=sys.stderr)
+        return _interrupted_exit(signum)
     print(summary, file=sys.stderr)
     if summary.interrupted:
-        return EXIT_INTERRUPTED
+        return _interrupted_exit(summary.interrupted_by)
     return EXIT_ROWS_FAILED if summary.failed else EXIT_OK
+
+
+def _interrupted_exit(signum: int) -> int:
+    return EXIT_TERMINATED if signum == signal.SIGTERM else EXIT_INTERRUPTED
 
 
 def _structured_options(args: argparse.Namespace) -> dict:
@@ -121,7 +143,14 @@ def _structured_options(args: argparse.Namespace) -> dict:
     opts: dict = {}
     if args.choices is not None:
         text = args.choices.strip()
-        opts["choices"] = json.loads(text) if text.startswith("[") else [c.strip() for c in text.split(",")]
+        if text.startswith("["):
+            try:
+                opts["choices"] = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--choices {args.choices}: not a valid JSON list ({e}); give a JSON list "
+                                 f"such as '[\"spam\", \"ham\"]' or comma-separated labels such as spam,ham") from None
+        else:
+            opts["choices"] = [c.strip() for c in text.split(",")]
     if args.choice_mode is not None:
         opts["choice_mode"] = args.choice_mode
     if args.regex is not None:

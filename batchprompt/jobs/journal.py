@@ -3,14 +3,21 @@
 A row is written once, keyed by its input line; a commit makes a group of rows durable. After
 `kill -9`, the rows committed are kept and the others run again: no row is lost and none
 appears twice, because the output files are written from the journal at the end.
+
+A failed write (a full disk above all) rolls its transaction back and raises StorageError: the
+rows committed before it stay, the ones it held run again. Text is stored as valid UTF-8 even
+when a row's id holds a lone surrogate (it is kept with JSON escapes).
 """
 from __future__ import annotations
 
 import json
 import sqlite3
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
+
+from .storage import StorageError
 
 
 class JournalMismatch(Exception):
@@ -21,21 +28,30 @@ class Journal:
     def __init__(self, path: str | Path, fingerprint: str, restart: bool = False,
                  commit_every: int = 64, commit_seconds: float = 0.5):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(str(self.path), isolation_level=None)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")
-        self.db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
-        self.db.execute("CREATE TABLE IF NOT EXISTS rows (line INTEGER PRIMARY KEY, custom_id TEXT, "
-                        "ok INTEGER NOT NULL, record TEXT NOT NULL, "
-                        "prompt_tokens INTEGER NOT NULL DEFAULT 0, completion_tokens INTEGER NOT NULL DEFAULT 0)")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StorageError.from_os(self.path, e) from None
+        try:
+            self.db = sqlite3.connect(str(self.path), isolation_level=None)
+        except sqlite3.OperationalError as e:
+            raise StorageError.from_sqlite(self.path, e) from None
+        with self._writing():
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=FULL")
+            self.db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
+            self.db.execute("CREATE TABLE IF NOT EXISTS rows (line INTEGER PRIMARY KEY, custom_id TEXT, "
+                            "ok INTEGER NOT NULL, record TEXT NOT NULL, "
+                            "prompt_tokens INTEGER NOT NULL DEFAULT 0, completion_tokens INTEGER NOT NULL DEFAULT 0)")
         if self.get("fingerprint") not in (None, fingerprint) and not restart:
+            self.db.close()
             raise JournalMismatch(
                 f"the journal {self.path} belongs to a different input or different options "
                 f"(the input file changed since the job began); run with --restart to start over")
         if restart:
-            self.db.execute("DELETE FROM rows")
-            self.db.execute("DELETE FROM meta")
+            with self._writing():
+                self.db.execute("DELETE FROM rows")
+                self.db.execute("DELETE FROM meta")
         self.set("fingerprint", fingerprint)
         self.commit_every, self.commit_seconds = commit_every, commit_seconds
         self._pending: list[tuple[int, str | None, int, str, int, int]] = []
@@ -46,24 +62,45 @@ class Journal:
         return row[0] if row else None
 
     def set(self, key: str, value: str) -> None:
-        self.db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+        with self._writing():
+            self.db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+
+    @contextmanager
+    def _writing(self):
+        """A write: on any failure its transaction is rolled back (so the next write can begin
+        one); a failure of the database or the disk becomes StorageError."""
+        try:
+            yield
+        except BaseException as e:
+            if self.db.in_transaction:
+                try:
+                    self.db.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+            if isinstance(e, sqlite3.OperationalError):
+                raise StorageError.from_sqlite(self.path, e) from None
+            raise
 
     def done_lines(self) -> set[int]:
         return {r[0] for r in self.db.execute("SELECT line FROM rows")}
 
     def record(self, line: int, custom_id: str | None, ok: bool, record: dict[str, Any],
                prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
-        self._pending.append((line, custom_id, int(ok), json.dumps(record, ensure_ascii=False),
-                              prompt_tokens, completion_tokens))
+        self._pending.append((line, _text(custom_id), int(ok), _json(record), prompt_tokens, completion_tokens))
         if (len(self._pending) >= self.commit_every
                 or time.monotonic() - self._last_commit >= self.commit_seconds):
             self.flush()
 
     def flush(self) -> None:
         if self._pending:
-            self.db.execute("BEGIN IMMEDIATE")
-            self.db.executemany("INSERT OR IGNORE INTO rows VALUES (?, ?, ?, ?, ?, ?)", self._pending)
-            self.db.execute("COMMIT")
+            try:
+                with self._writing():
+                    self.db.execute("BEGIN IMMEDIATE")
+                    self.db.executemany("INSERT OR IGNORE INTO rows VALUES (?, ?, ?, ?, ?, ?)", self._pending)
+                    self.db.execute("COMMIT")
+            except StorageError:
+                self._pending.clear()  # not durable: these rows run again next time
+                raise
             self._pending.clear()
         self._last_commit = time.monotonic()
 
@@ -84,5 +121,25 @@ class Journal:
         return int(p), int(c)
 
     def close(self) -> None:
-        self.flush()
-        self.db.close()
+        try:
+            self.flush()
+        finally:
+            self.db.close()
+
+
+def _json(record: dict[str, Any]) -> str:
+    """The record as JSON, readable UTF-8; escaped (\\ud800) where it holds a lone surrogate."""
+    text = json.dumps(record, ensure_ascii=False)
+    return text if _is_utf8(text) else json.dumps(record, ensure_ascii=True)
+
+
+def _text(s: str | None) -> str | None:
+    return s if s is None or _is_utf8(s) else s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _is_utf8(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False

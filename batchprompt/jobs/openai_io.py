@@ -12,7 +12,8 @@ FINISH = {"stop": "stop", "length": "length"}
 
 
 def _id(prefix: str, *parts: object) -> str:
-    return prefix + hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:24]
+    # surrogatepass: an id holding a lone surrogate still hashes (its row is an error, not a crash)
+    return prefix + hashlib.sha256(":".join(map(str, parts)).encode("utf-8", "surrogatepass")).hexdigest()[:24]
 
 
 def response_body(row: Row, choices: Sequence[Result], model: str, created: int,

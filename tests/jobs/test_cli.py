@@ -1,4 +1,4 @@
-"""`batchprompt run` end to end: OpenAI shapes, bad rows, resume after SIGKILL and Ctrl-C."""
+"""`batchprompt run` end to end: OpenAI shapes, bad rows, resume after SIGKILL, Ctrl-C and SIGTERM."""
 from __future__ import annotations
 
 import json
@@ -222,6 +222,25 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tmp_path):
     proc = _start(inp, out)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err
+    assert [o["custom_id"] for o in parse_outputs(out)] == ids
+
+
+@pytest.mark.slow
+def test_sigterm_stops_like_ctrl_c_and_the_resume_gives_each_row_once(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    ids = write_sms_batch(inp, 160)
+    proc = _start(inp, out)
+    _wait_for_rows(proc, out, 10)
+    proc.send_signal(signal.SIGTERM)  # what schedulers and `docker stop` send
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert "stopped by SIGTERM" in err and "Run the same command again to resume" in err
+    kept = _journaled(out)
+    assert 10 <= kept < 160 and not out.exists()
+    proc = _start(inp, out)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    assert f"resuming: {kept} of 160 rows" in err
     assert [o["custom_id"] for o in parse_outputs(out)] == ids
 
 

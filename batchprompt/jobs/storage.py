@@ -1,0 +1,95 @@
+"""Writing a job's files: outputs replaced atomically, and one error for any write that failed.
+
+An output is written to a temp file with a unique name in the output's folder (two runs never
+share one), fsynced, renamed over the output, and the folder is fsynced so that the rename
+itself survives a power cut. The temp file is removed on every failure. A failed write of the
+journal or of an output (a full disk above all) becomes StorageError, which the command prints
+as one message and exits with its own status: the rows already journaled are safe.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import sqlite3
+from pathlib import Path
+from typing import BinaryIO, Callable
+
+NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+SQLITE_FULL = 13  # the result code behind "database or disk is full"
+
+
+class StorageError(Exception):
+    """A write to `path` failed. `no_space`: the disk (or quota) is full. The job fills in
+    `journal` and `rows_safe`/`rows` so the message can say what is kept."""
+
+    def __init__(self, path: str | Path, reason: str, no_space: bool):
+        super().__init__(path, reason, no_space)
+        self.path, self.reason, self.no_space = str(path), reason, no_space
+        self.journal: str | None = None
+        self.rows_safe: int | None = None
+        self.rows: int | None = None
+
+    @classmethod
+    def from_os(cls, path: str | Path, e: OSError) -> "StorageError":
+        return cls(path, e.strerror or str(e), e.errno in NO_SPACE_ERRNOS)
+
+    @classmethod
+    def from_sqlite(cls, path: str | Path, e: sqlite3.Error) -> "StorageError":
+        full = getattr(e, "sqlite_errorcode", None) == SQLITE_FULL or "full" in str(e)
+        return cls(path, str(e), full)
+
+    def __str__(self) -> str:
+        what = (f"no space left on the device holding {self.path}" if self.no_space
+                else f"cannot write {self.path} ({self.reason})")
+        kept = ""
+        if self.journal is not None and self.rows_safe is not None:
+            kept = f"; {self.rows_safe} of {self.rows} rows are safe in the journal {self.journal}"
+        fix = "Free some space" if self.no_space else "Fix that"
+        return f"{what}{kept}. {fix}, then run the same command again to resume (finished rows do not run again)"
+
+
+def write_atomic(path: str | Path, fill: Callable[[BinaryIO], None]) -> None:
+    """Replace `path` by what `fill` writes to the binary file it is given, all or nothing."""
+    dest = Path(path)
+    fd, tmp = _create_temp(dest)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fill(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError):
+            raise StorageError.from_os(dest, e) from None
+        raise
+    try:
+        fsync_dir(dest.parent)
+    except OSError as e:
+        raise StorageError.from_os(dest.parent, e) from None
+
+
+def _create_temp(dest: Path) -> tuple[int, str]:
+    """A new file beside `dest`, with the permissions a plain open would give (mkstemp's are
+    0600: the output would lose its usual mode)."""
+    for _ in range(100):
+        tmp = str(dest.with_name(f"{dest.name}.{secrets.token_hex(4)}.tmp"))
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), tmp
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise StorageError.from_os(dest, e) from None
+    raise StorageError(dest, "no unused temp file name", False)
+
+
+def fsync_dir(folder: str | Path) -> None:
+    fd = os.open(str(folder), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

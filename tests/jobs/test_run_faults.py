@@ -1,0 +1,106 @@
+"""One bad row never stops a job, and bad ids or options are refused with one message.
+
+A row whose chat template raises, or whose id is not valid text, is that row's error; a file
+with a duplicated custom_id, or an option that cannot be used, fails before any work.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from batchprompt.cli import main
+
+from ..conftest import sms_rows
+from .test_cli import CHAT, chat_line, parse_outputs
+
+# Llama-2 / Mistral templates refuse a conversation whose roles do not alternate.
+ALTERNATING_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') -}}"
+    "{%- endif -%}"
+    "{{- message['role'] + ': ' + message['content'] + '\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}assistant: {% endif -%}")
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """A run that gets as far as loading the model fails the test."""
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr("batchprompt.jobs.run.get_service", refuse)
+
+
+def _errors(out: Path) -> list[dict]:
+    return [json.loads(x) for x in Path(str(out) + ".errors.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_row_whose_chat_template_raises_is_that_rows_error(tmp_path, monkeypatch):
+    from batchprompt.api.service import get_service
+
+    hf = get_service(None).engine.tokenizer.hf  # the engine `batchprompt run` uses in this process
+    monkeypatch.setattr(hf, "chat_template", ALTERNATING_TEMPLATE)
+    user = lambda text: {"role": "user", "content": text}  # noqa: E731
+    lines = [json.dumps({"custom_id": cid, "method": "POST", "url": CHAT, "body": {"messages": msgs}})
+             for cid, msgs in (("good-1", [user("Hello")]), ("two-users", [user("Hello"), user("again")]),
+                               ("good-2", [user("Bye")]))]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    args = ["run", str(inp), "-o", str(out), "--max-tokens", "2", "--no-progress"]
+    assert main(args) == 1
+    assert [o["custom_id"] for o in parse_outputs(out)] == ["good-1", "good-2"]
+    [err] = _errors(out)
+    assert (err["custom_id"], err["error"]["line"], err["error"]["code"]) == ("two-users", 2, "invalid_request")
+    assert "roles must alternate" in err["error"]["message"]
+    assert main(args) == 1  # the rerun finds the job complete, rather than dying on that row
+
+
+@pytest.mark.slow
+def test_an_id_with_a_lone_surrogate_is_that_rows_error_written_escaped(tmp_path):
+    text = sms_rows(1)[0][1]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    # JSON escapes: the file is valid UTF-8; the ids it decodes to are not valid text
+    inp.write_text(chat_line(0, text) + "\n"
+                   + chat_line(1, text).replace('"sms-1"', '"b\\ud800"') + "\n"
+                   + json.dumps({"prompt": text, "id": "PLACEHOLDER"}).replace("PLACEHOLDER", "p\\udc00") + "\n")
+    assert main(["run", str(inp), "-o", str(out), "--max-tokens", "2", "--no-progress"]) == 1
+    assert [o["custom_id"] for o in parse_outputs(out)] == ["sms-0"]
+    raw = Path(str(out) + ".errors.jsonl").read_bytes()
+    raw.decode("utf-8")  # valid UTF-8, with the ids as JSON escapes
+    assert b'"b\\ud800"' in raw and b'"p\\udc00"' in raw
+    errs = _errors(out)
+    assert [(e["custom_id"], e["error"]["line"], e["error"]["code"]) for e in errs] == [
+        ("b\ud800", 2, "invalid_custom_id"), ("p\udc00", 3, "invalid_custom_id")]
+    assert "not valid Unicode text" in errs[0]["error"]["message"]
+
+
+def test_duplicate_custom_ids_are_refused_before_any_work(tmp_path, capsys, no_model):
+    text = sms_rows(1)[0][1]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(chat_line(i, text) + "\n" for i in (0, 1, 0, 2, 0)))
+    assert main(["run", str(inp), "-o", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f'{inp}: duplicate custom_id: "sms-0" on lines 1, 3 and 5' in err and "must be unique" in err
+    assert list(tmp_path.iterdir()) == [inp]  # no output, no journal
+
+
+def test_choices_that_are_not_json_name_the_option(tmp_path, capsys, no_model):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "hi"}\n')
+    assert main(["run", str(inp), "-o", str(tmp_path / "o.jsonl"), "--choices", "[bad"]) == 2
+    err = capsys.readouterr().err
+    assert "--choices [bad: not a valid JSON list" in err and "spam,ham" in err
+
+
+@pytest.mark.parametrize("option", [["--regex", "(unclosed"], ["--json-schema", '{"type": "frobnicate"}']])
+def test_a_bad_regex_or_schema_fails_before_the_model_loads(tmp_path, capsys, no_model, option):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "hi"}\n')
+    assert main(["run", str(inp), "-o", str(tmp_path / "o.jsonl"), *option]) == 2
+    err = capsys.readouterr().err
+    assert "batchprompt: error: structured output:" in err and option[0].lstrip("-").split("-")[0] in err
+    assert list(tmp_path.iterdir()) == [inp]
