@@ -1,0 +1,46 @@
+"""create_app: the FastAPI app of `batchprompt serve`.
+
+Routes live in routes_*.py, one file per family, each an APIRouter included here: the health
+routes, OpenAI's completions and chat, and the batch endpoints. New families (the file-based
+Batch API) add a router of their own. Middleware, outermost first: metrics, the API key (every
+/v1 route), the body size limit."""
+from __future__ import annotations
+
+import asyncio
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from . import routes_batch, routes_health, routes_openai
+from .config import ServerConfig
+from .errors import install_handlers
+from .metrics import Metrics
+from .middleware import LimitBody, RecordMetrics, RequireApiKey
+from .state import ServerState, close
+
+
+def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAPI:
+    """The app. It loads the model when it starts (lifespan), if it is not loaded yet."""
+    state = state or ServerState(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.loop = asyncio.get_running_loop()
+        state.load()  # blocking: nothing is served before the model is there
+        try:
+            yield
+        finally:
+            await close(state)
+
+    # No /docs or /openapi.json: the API is OpenAI's, documented there and in the README.
+    app = FastAPI(title="batchprompt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    app.state.metrics = metrics = Metrics(state)
+    for module in (routes_health, routes_openai, routes_batch):
+        app.include_router(module.router)
+    install_handlers(app)
+    # add_middleware wraps what is there: the last added runs first.
+    app.add_middleware(LimitBody, limit=config.max_body_bytes)
+    app.add_middleware(RequireApiKey, api_key=config.api_key)
+    app.add_middleware(RecordMetrics, metrics=metrics)
+    return app

@@ -1,0 +1,121 @@
+"""`batchprompt serve` (and `python -m batchprompt.server`): the OpenAI-compatible server.
+
+Ctrl-C or SIGTERM stop it cleanly: new requests get 503, requests in flight are cancelled in
+the engine (each answers 503, a stream ends with an error event), async batches are cancelled,
+the engine is released, and the command exits 0."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+SERVE_HELP = """\
+Serve the model over HTTP, OpenAI-compatible: /v1/models, /v1/completions, /v1/chat/completions
+(stream: true for server-sent events), and the batch endpoints /v1/batch/sync, /v1/batch/async,
+/v1/batch/{id}, /v1/batch/stats. /health, /ready and /metrics (Prometheus) need no key.
+
+Every request, and every in-process caller of the same model, is batched by one engine.
+Listens on 127.0.0.1 unless --host says otherwise; with --api-key (or $BATCHPROMPT_API_KEY)
+every /v1 route needs the header Authorization: Bearer KEY. Ctrl-C or SIGTERM stop it: requests
+in flight are cancelled (503), and it exits 0.
+"""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """The `serve` subcommand of the `batchprompt` command."""
+    parser = subparsers.add_parser("serve", help="serve the model over HTTP (OpenAI-compatible)",
+                                   description=SERVE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return parser
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .config import DEFAULT_BATCH_RETENTION_S, DEFAULT_MAX_BATCHES, DEFAULT_MAX_BODY_BYTES
+
+    p.add_argument("--model", default=None,
+                   help="a .gguf file, a local Hugging Face directory, a hub id (default: the embedded SmolLM2-135M)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require Authorization: Bearer KEY on /v1 routes (default: $BATCHPROMPT_API_KEY, if set)")
+    p.add_argument("--data-dir", default=None, metavar="DIR", help="directory for the server's files (reserved for the file-based Batch API)")
+    p.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                   help="engine: sequences run at once (default 512)")
+    p.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES",
+                   help="engine: KV cache ceiling in bytes (default: a quarter of free memory)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                   help=f"refuse request bodies larger than this with 413 (default {DEFAULT_MAX_BODY_BYTES:,})")
+    p.add_argument("--batch-retention", type=float, default=DEFAULT_BATCH_RETENTION_S, metavar="SECONDS",
+                   help=f"keep a finished async batch this long (default {DEFAULT_BATCH_RETENTION_S:.0f})")
+    p.add_argument("--max-batches", type=int, default=DEFAULT_MAX_BATCHES, metavar="N",
+                   help=f"keep at most this many async batches (default {DEFAULT_MAX_BATCHES})")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until Ctrl-C or SIGTERM (then 0); 2 for bad options or a model that cannot be found."""
+    from ..models import ModelNotFoundError
+    from .config import ServerConfig
+
+    level = getattr(logging, args.log_level.upper())
+    logging.basicConfig(level=level, format="batchprompt: %(levelname)s: %(message)s")
+    logging.getLogger("batchprompt").setLevel(level)  # also where `batchprompt`'s main set up logging first
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    engine_options = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
+                                        ("kv_cache_memory", args.kv_cache_memory)) if v is not None}
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        return _fail(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    try:
+        config = ServerConfig(model=args.model, host=args.host, port=args.port,
+                              api_key=args.api_key or os.environ.get("BATCHPROMPT_API_KEY") or None,
+                              data_dir=args.data_dir, engine_options=engine_options,
+                              max_body_bytes=args.max_body_bytes, batch_retention_s=args.batch_retention,
+                              max_batches=args.max_batches)
+        return serve(config, args.log_level)
+    except (ValueError, ModelNotFoundError) as e:
+        return _fail(str(e))
+
+
+def serve(config, log_level: str = "info") -> int:
+    import uvicorn
+
+    from ..api import shutdown
+    from ..jobs.sigterm import sigterm_as_interrupt
+    from .app import create_app
+    from .lifecycle import Server
+    from .state import ServerState
+
+    log = logging.getLogger("batchprompt")
+    state = ServerState(config)  # an unknown model fails here
+    if config.api_key is None and not config.loopback:
+        log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
+                    config.host)
+    log.info("loading %s", state.model_id)
+    try:
+        with sigterm_as_interrupt():  # Ctrl-C or SIGTERM while loading: stop, as cleanly
+            state.load()
+    except KeyboardInterrupt:
+        print("batchprompt: stopped while loading the model", file=sys.stderr)
+        shutdown(state.model_key)
+        return 0
+    app = create_app(config, state)
+    server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
+                                   timeout_graceful_shutdown=30, lifespan="on"), state)
+    try:
+        server.run()
+    finally:
+        shutdown(state.model_key)  # the engine's threads end; its memory is freed
+    return 0
+
+
+def _fail(message: str) -> int:
+    print(f"batchprompt: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m batchprompt.server", description=SERVE_HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

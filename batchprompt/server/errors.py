@@ -1,0 +1,69 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, one status each.
+
+Routes raise ApiError (or let FastAPI/Starlette raise theirs); the handlers here turn every one
+into the same JSON body, so a client reads one shape whatever went wrong."""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+log = logging.getLogger("batchprompt")
+
+#: OpenAI's error types: "invalid_request_error" for every 4xx but these (its SDK picks the
+#: exception class from the status, not the type).
+TYPES = {429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        return error_response(e.status, e.message, e.code, e.param)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+        if e.status_code == 404:
+            message = f"no route {request.method} {request.url.path}; see GET /v1/models and the README"
+            return error_response(404, message, "not_found")
+        if e.status_code == 405:
+            return error_response(405, f"{request.method} is not allowed on {request.url.path}",
+                                  "method_not_allowed", headers=e.headers)
+        return error_response(e.status_code, str(e.detail), None, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        return validation_response(e.errors())
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal error: {type(e).__name__}: {e}", "internal_error")
+
+
+def validation_response(errors) -> JSONResponse:
+    """422 naming the first field that is wrong (all of them in the message)."""
+    errors = list(errors)
+    params = [".".join(str(p) for p in err.get("loc", ()) if p != "body") for err in errors]
+    shown = "; ".join(f"{p or 'body'}: {err.get('msg')}" for p, err in list(zip(params, errors))[:4])
+    if len(errors) > 4:
+        shown += f" (and {len(errors) - 4} more)"
+    return error_response(422, f"invalid request: {shown}", "invalid_type", params[0] if params else None)

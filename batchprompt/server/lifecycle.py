@@ -1,0 +1,39 @@
+"""The uvicorn server, stopped the way a service should be: a signal is how it is asked to
+stop, not a failure, so the process exits 0 (uvicorn re-raises the signal after its shutdown,
+which makes the exit status 130 or 143), and requests in flight are cancelled at once rather
+than waited for (a long generation would otherwise hold the shutdown)."""
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+import uvicorn
+
+from .state import ServerState
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.should_exit and sig == signal.SIGINT:  # a second Ctrl-C: stop waiting for anything
+            self.force_exit = True
+        self.should_exit = True
+        self.state.begin_shutdown_threadsafe()

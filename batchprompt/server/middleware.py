@@ -1,0 +1,106 @@
+"""ASGI middleware: request metrics, the API key, the body size limit. Plain ASGI (not
+BaseHTTPMiddleware), so that streamed responses pass through untouched and a client's
+disconnect still reaches the route."""
+from __future__ import annotations
+
+import hmac
+import json
+import time
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .errors import ApiError, error_body
+from .metrics import Metrics
+
+
+async def _send_error(send: Send, status: int, message: str, code: str, headers: list | None = None) -> None:
+    body = json.dumps(error_body(status, message, code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class RecordMetrics:
+    """Count each request by route (the route's path template, not the URL: ids do not become
+    labels), method and status, and time it to its last byte (a stream's too)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500  # if the app fails before it answers
+        t0 = time.perf_counter()
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            self.metrics.observe(route, scope["method"], status, time.perf_counter() - t0)
+
+
+class RequireApiKey:
+    """Every /v1 route needs `Authorization: Bearer KEY`; /health, /ready and /metrics do not."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None):
+        self.app = app
+        self.key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.key is None or scope["type"] != "http" or not _is_api(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            await self.app(scope, receive, send)
+            return
+        message = ("missing API key: send the header Authorization: Bearer <key> (the server's --api-key)"
+                   if not given else "incorrect API key (the server's --api-key or $BATCHPROMPT_API_KEY)")
+        await _send_error(send, 401, message, "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+
+
+def _is_api(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/")
+
+
+class LimitBody:
+    """Refuse bodies above `limit` bytes with 413: at once from Content-Length, or while the
+    body is read (a chunked upload), from the route's read of it."""
+
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await _send_error(send, 413, self._message(int(declared)), "request_too_large")
+            return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise ApiError(413, self._message(seen, more=True), "request_too_large")
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _message(self, size: int, more: bool = False) -> str:
+        return (f"the body is {'more than ' if more else ''}{size:,} bytes; this server takes at most "
+                f"{self.limit:,} (its --max-body-bytes): send fewer prompts per request")

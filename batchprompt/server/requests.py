@@ -1,0 +1,171 @@
+"""From an OpenAI request body to the batch API's prepared prompts.
+
+A body's options are read by the same code as `batchprompt run`'s rows (jobs/rows.py checks
+the body, jobs/run.py turns it into sampling parameters and a structured-output spec), so the
+server and the job runner accept and refuse the same bodies with the same messages. What is
+the server's own: the prompt forms of /v1/completions (a list of prompts, token ids), OpenAI's
+defaults (temperature 1, max_tokens 16 for completions), and refusing fields it cannot honour."""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from ..api.batch import Prepared
+from ..jobs import rows as job_rows
+from ..jobs.rows import CHAT, COMPLETION, Row, RowError
+from ..jobs.run import JobOptions, render, row_params, row_spec
+from .errors import ApiError
+
+#: OpenAI's and vLLM's defaults where a body gives none (`batchprompt run` and the batch API
+#: decode greedily instead; the server answers as the APIs it stands in for).
+COMPLETION_MAX_TOKENS = 16
+TEMPERATURE = 1.0
+
+#: Fields that change what a request means and that this server cannot honour: refused with a
+#: message rather than ignored. field -> (is the value a no-op?, what to do instead)
+_NOOP = {
+    "echo": lambda v, b: not v,
+    "suffix": lambda v, b: v in (None, ""),
+    "best_of": lambda v, b: v is None or v == (b.get("n") or 1),
+    "logit_bias": lambda v, b: not v,
+    "tools": lambda v, b: not v,
+    "functions": lambda v, b: not v,
+    "presence_penalty": lambda v, b: v in (None, 0),
+    "frequency_penalty": lambda v, b: v in (None, 0),
+    "repetition_penalty": lambda v, b: v in (None, 1),
+    "min_p": lambda v, b: v in (None, 0),
+    "min_tokens": lambda v, b: v in (None, 0),
+    "use_beam_search": lambda v, b: not v,
+    "ignore_eos": lambda v, b: not v,
+    "prompt_logprobs": lambda v, b: v is None,
+    "top_logprobs": lambda v, b: v in (None, 0),
+}
+_ALTERNATIVES = "only the chosen tokens' log-probabilities are computed, not the most likely alternatives"
+
+
+@dataclass
+class Plan:
+    """One request's prompts: `rows[i]` is prompt i; its choice j is `prepared[i * n + j]`."""
+
+    request_id: str
+    rows: list[Row]
+    n: int
+    prepared: list[Prepared]
+    token_text: Callable[[int], str]
+
+
+def plan_chat(body: dict, tokenizer, max_model_len: int) -> Plan:
+    refuse_unsupported(body)
+    rid = uuid.uuid4().hex
+    row = _row(CHAT, body, rid)
+    # Unset max_tokens: the rest of the context, as vLLM (the engine stops at the context's end).
+    opts = JobOptions(input="-", output="-", max_tokens=max_model_len, temperature=TEMPERATURE)
+    params, n, spec = _params(row, opts, tokenizer)
+    ids = _checked(_render(row, tokenizer), max_model_len, "the messages")
+    return Plan(rid, [row], n, _choices([ids], params, n, spec), _token_text(tokenizer))
+
+
+def plan_completion(body: dict, tokenizer, max_model_len: int) -> Plan:
+    body = dict(body)
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        if logprobs != 0:
+            raise ApiError(400, f"logprobs {logprobs}: {_ALTERNATIVES}; send logprobs 0 to get them",
+                           "unsupported_parameter", "logprobs")
+        body["logprobs"] = True  # a completion's logprobs is a count; 0 asks for the chosen tokens'
+    refuse_unsupported(body)
+    rid = uuid.uuid4().hex
+    prompts = _prompts(body.get("prompt"))
+    # The body's options are checked once, with a stand-in prompt: the prompt forms are ours.
+    base = _row(COMPLETION, {**body, "prompt": "-"}, rid)
+    opts = JobOptions(input="-", output="-", max_tokens=COMPLETION_MAX_TOKENS, temperature=TEMPERATURE)
+    params, n, spec = _params(base, opts, tokenizer)
+    rows, all_ids = [], []
+    for i, prompt in enumerate(prompts):
+        what = f"prompt {i}" if len(prompts) > 1 else "the prompt"
+        row = replace(base, prompt=prompt if isinstance(prompt, str) else None)
+        ids = _render(row, tokenizer) if isinstance(prompt, str) else list(prompt)
+        rows.append(row)
+        all_ids.append(_checked(ids, max_model_len, what))
+    return Plan(rid, rows, n, _choices(all_ids, params, n, spec), _token_text(tokenizer))
+
+
+def refuse_unsupported(body: dict) -> None:
+    for name, noop in _NOOP.items():
+        if name in body and not noop(body[name], body):
+            why = _ALTERNATIVES if name == "top_logprobs" else "this server does not support it"
+            raise ApiError(400, f"{name}={body[name]!r}: {why}; leave it out", "unsupported_parameter", name)
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """vLLM's prompt forms: a string, a list of strings, a list of token ids, a list of those."""
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        prompts = prompt
+    else:
+        raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
+                            "token-id lists, and not empty", "invalid_prompt", "prompt")
+    for i, p in enumerate(prompts):
+        if isinstance(p, str) and p:
+            continue
+        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            continue
+        raise ApiError(400, f"prompt {i} is empty or not a string / token-id list: give text or token ids",
+                       "invalid_prompt", "prompt")
+    return prompts
+
+
+def _row(url: str, body: dict, rid: str) -> Row:
+    # _from_body is the job reader's check of one body (messages, n, max_tokens); a bad body is
+    # a RowError whose message starts with the line number, which means nothing here.
+    row = job_rows._from_body(1, rid, url, body)
+    if isinstance(row, RowError):
+        raise ApiError(400, row.message.removeprefix("line 1: "), row.code)
+    return row
+
+
+def _params(row: Row, opts: JobOptions, tokenizer):
+    try:
+        params, n = row_params(row, opts)
+        spec = row_spec(row, opts)
+        if spec is not None:
+            params = spec.sampling_params(params, tokenizer)
+    except (TypeError, ValueError) as e:
+        raise ApiError(400, str(e), "invalid_parameter") from None
+    return params, n, spec
+
+
+def _render(row: Row, tokenizer) -> list[int]:
+    try:
+        return render(row, tokenizer, None)
+    except Exception as e:  # noqa: BLE001  (a chat template that raises on these messages)
+        raise ApiError(400, f"the prompt cannot be rendered: {type(e).__name__}: {e}", "invalid_prompt") from None
+
+
+def _checked(ids: list[int], max_model_len: int, what: str) -> list[int]:
+    if len(ids) >= max_model_len:
+        raise ApiError(400, f"{what} has {len(ids)} tokens, but the context holds {max_model_len} (prompt plus at "
+                            f"least one generated token): shorten it", "context_length_exceeded")
+    return ids
+
+
+def _choices(all_ids: list[list[int]], params, n: int, spec) -> list[Prepared]:
+    out = []
+    for ids in all_ids:
+        for choice in range(n):
+            p = params
+            if n > 1 and params.seed is not None:  # seeded choices differ, as in `batchprompt run`
+                try:
+                    p = replace(params, seed=params.seed + choice)
+                except ValueError as e:
+                    raise ApiError(400, str(e), "invalid_parameter", "seed") from None
+            out.append(Prepared(len(out), ids, p, spec=spec))
+    return out
+
+
+def _token_text(tokenizer) -> Callable[[int], str]:
+    return lambda t: tokenizer.decode([t])

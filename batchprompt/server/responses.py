@@ -1,0 +1,142 @@
+"""Response bodies: OpenAI's chat.completion / text_completion (built by jobs/openai_io.py, the
+shapes `batchprompt run` writes), their streaming chunks, and the batch endpoints' results."""
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+from ..api.batch import Progress
+from ..api.result import Result
+from ..jobs import openai_io
+from .errors import ApiError, error_body
+from .requests import Plan
+
+
+def failure(results: Sequence[Result]) -> ApiError | None:
+    """The error to answer with, if a result failed in the engine. An output cut by max_tokens
+    before it completed its structured-output constraint is not one: as OpenAI and vLLM, the
+    partial text goes back with finish_reason "length"."""
+    for r in results:
+        if r.finish_reason == "error":
+            return result_error(r)
+    return None
+
+
+def result_error(r: Result) -> ApiError:
+    message = r.error or "the request failed"
+    if message.startswith("the engine"):  # the engine failed or stopped, not the request
+        return ApiError(500, message, "engine_error")
+    return ApiError(400, message, "context_length_exceeded" if "shorten the prompt" in message
+                    else "invalid_request")
+
+
+def body(plan: Plan, results: Sequence[Result], model: str, created: int) -> dict[str, Any]:
+    """The whole answer: one prompt's n choices (chat), or every prompt's (completions: choice
+    `index` is prompt * n + choice, as vLLM numbers them)."""
+    n = plan.n
+    parts = [openai_io.response_body(row, results[i * n:(i + 1) * n], model, created, plan.token_text)
+             for i, row in enumerate(plan.rows)]
+    out = parts[0]
+    if len(parts) > 1:
+        out["choices"] = [dict(c, index=k) for k, c in enumerate(c for p in parts for c in p["choices"])]
+        out["usage"] = _usage(p["usage"] for p in parts)
+    return out
+
+
+def _usage(usages) -> dict[str, Any]:
+    usages = list(usages)
+    prompt = sum(u["prompt_tokens"] for u in usages)
+    completion = sum(u["completion_tokens"] for u in usages)
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class Chunks:
+    """Server-sent events of one streamed request. The engine gives each result whole, so a
+    choice streams as one content chunk when it completes (then its finish chunk, for chat)."""
+
+    def __init__(self, plan: Plan, chat: bool, model: str, created: int, include_usage: bool):
+        self.plan, self.chat, self.model, self.created = plan, chat, model, created
+        self.include_usage = include_usage
+        self.id = ("chatcmpl-" if chat else "cmpl-") + plan.request_id
+        self.prompt_tokens: dict[int, int] = {}  # prompt -> tokens (counted once for its n choices)
+        self.cached_tokens: dict[int, int] = {}
+        self.completion_tokens = 0
+
+    def _chunk(self, choices: list[dict]) -> str:
+        obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": choices}
+        if self.chat:
+            obj["system_fingerprint"] = None
+        if self.include_usage:
+            obj["usage"] = None
+        return event(obj)
+
+    def start(self) -> list[str]:
+        """Chat opens each choice with the assistant's role, as OpenAI does, before any text."""
+        if not self.chat:
+            return []
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for i in range(self.plan.n)])]
+
+    def result(self, index: int, r: Result) -> list[str]:
+        prompt = index // self.plan.n
+        self.prompt_tokens[prompt] = r.usage.prompt_tokens
+        self.cached_tokens[prompt] = r.usage.cached_tokens
+        self.completion_tokens += r.usage.completion_tokens
+        row = self.plan.rows[prompt]
+        choice = openai_io.response_body(row, [r], self.model, self.created, self.plan.token_text)["choices"][0]
+        if not self.chat:
+            return [self._chunk([dict(choice, index=index)])]
+        i = index % self.plan.n
+        content = {"index": i, "delta": {"content": choice["message"]["content"]}, "logprobs": choice["logprobs"],
+                   "finish_reason": None}
+        finish = {"index": i, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}
+        return [self._chunk([content]), self._chunk([finish])]
+
+    def end(self) -> list[str]:
+        out = []
+        if self.include_usage:
+            prompt, cached = sum(self.prompt_tokens.values()), sum(self.cached_tokens.values())
+            usage = {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                     "total_tokens": prompt + self.completion_tokens,
+                     "prompt_tokens_details": {"cached_tokens": cached}}
+            obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                   "created": self.created, "model": self.model, "choices": [], "usage": usage}
+            out.append(event(obj))
+        return out + [DONE]
+
+
+DONE = "data: [DONE]\n\n"
+KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it, proxies see the stream alive
+
+
+def event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def error_event(e: ApiError) -> str:
+    return event(error_body(e.status, e.message, e.code, e.param))
+
+
+# ---- the batch endpoints (/v1/batch/...) ------------------------------------------------------
+def result_json(r: Result | None) -> dict[str, Any] | None:
+    if r is None:
+        return None
+    out = {"index": r.index, "text": r.text, "finish_reason": r.finish_reason, "error": r.error,
+           "usage": {"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens,
+                     "cached_tokens": r.usage.cached_tokens}}
+    if r.logprobs is not None:
+        out["logprobs"] = r.logprobs
+    if r.parsed is not None:
+        out["parsed"] = r.parsed
+    if r.choice_probs is not None:
+        out["choice_probs"] = r.choice_probs
+    return out
+
+
+def progress_json(p: Progress) -> dict[str, Any]:
+    return {"done": p.done, "total": p.total, "failed": p.failed, "completion_tokens": p.completion_tokens,
+            "tokens_per_s": round(p.tokens_per_s, 2), "elapsed_s": round(p.elapsed_s, 3),
+            "eta_s": None if p.eta_s is None else round(p.eta_s, 3)}

@@ -1,0 +1,141 @@
+"""The batch endpoints, in the batch API's terms (greedy and 256 tokens unless told):
+
+    POST /v1/batch/sync    {prompts, system?, max_tokens?, temperature?, ...}  -> results in input order
+    POST /v1/batch/async   {..., callback_url?}                              -> {batch_id}
+    GET  /v1/batch/{id}    status, progress (done/total, failed, tokens/s, ETA); results when done
+    POST /v1/batch/{id}/cancel
+    GET  /v1/batch/stats   the engine's stats
+
+A prompt is a string or a list of chat messages; options are the batch API's (`max_tokens`,
+`temperature`, `top_p`, `top_k`, `seed`, `stop`, `logprobs`, `choices`, `choice_mode`, `regex`,
+`json_schema`, `response_format`, `grammar`). A prompt that fails carries its error in its
+result; the others are unaffected."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from ..api.session import LanguageModel
+from . import waiting
+from .batches import AsyncBatch, check_callback_url
+from .errors import ApiError
+from .responses import progress_json, result_json
+from .schemas import BatchRequest, read_json
+from .state import ServerState
+
+router = APIRouter()
+_NOT_OPTIONS = ("prompts", "system", "model", "callback_url")
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+async def _prepare(request: Request, state: ServerState, body: dict):
+    """A session with the body's system prompt, and its (unstarted) batch of the prompts."""
+    state.check_model(body.get("model"))
+    state.service()  # 503 while loading or shutting down
+    options = {k: v for k, v in body.items() if k not in _NOT_OPTIONS}
+
+    def build():
+        session = LanguageModel.create(system=body.get("system"), model=state.model_key)
+        try:
+            return session, session.create_batch(body["prompts"], **options)
+        except BaseException:
+            session.destroy()
+            raise
+
+    try:
+        return await asyncio.to_thread(build)
+    except (TypeError, ValueError) as e:  # an unknown option, a bad value, a bad system prompt
+        raise ApiError(400, str(e), "invalid_parameter") from None
+
+
+@router.post("/v1/batch/sync")
+async def batch_sync(request: Request) -> dict:
+    state = server_state(request)
+    body = await read_json(request, BatchRequest)
+    session, batch = await _prepare(request, state, body)
+    try:
+        results = await waiting.results(request, state, batch)
+    finally:
+        session.destroy()
+    usage = {"prompt_tokens": sum(r.usage.prompt_tokens for r in results),
+             "completion_tokens": sum(r.usage.completion_tokens for r in results)}
+    return {"id": "batch_" + uuid.uuid4().hex, "object": "batch.sync", "model": state.model_id,
+            "status": "completed", "progress": progress_json(batch.progress), "usage": usage,
+            "results": [result_json(r) for r in results]}
+
+
+@router.post("/v1/batch/async", status_code=202)
+async def batch_async(request: Request) -> JSONResponse:
+    state = server_state(request)
+    body = await read_json(request, BatchRequest)
+    url = body.get("callback_url")
+    if url is not None:
+        check_callback_url(url)
+    session, batch = await _prepare(request, state, body)
+    job = AsyncBatch(batch, session, state.model_id, url)
+    if url is not None:
+        job.webhook = {"url": url, "status": "pending", "attempts": 0, "last_error": None}
+    try:
+        state.batches.add(job)  # 429 when full of running batches
+    except ApiError:
+        session.destroy()
+        raise
+    batch.start()
+    job.task = asyncio.ensure_future(_finish(state, job))
+    return JSONResponse({"batch_id": job.id, "id": job.id, "object": "batch.async", "status": job.status,
+                         "total": batch.total}, status_code=202)
+
+
+async def _finish(state: ServerState, job: AsyncBatch) -> None:
+    """Wait for the batch (cancelling this task cancels it), then call its webhook."""
+    try:
+        await job.batch.wait_async()
+    finally:
+        job.finished_at = time.time()
+        job.ended.set()
+        job.session.destroy()
+    if job.callback_url is not None:
+        await state.webhooks.deliver(job)
+
+
+@router.get("/v1/batch/stats")
+async def batch_stats(request: Request) -> dict:
+    state = server_state(request)
+    state.service()
+    s = await asyncio.to_thread(state.engine_stats)
+    if s is None:
+        raise ApiError(503, "the engine is not running", "model_not_ready")
+    engine = {"running": s.running, "waiting": s.waiting, "finished": s.finished, "failed": s.failed,
+              "steps": s.steps, "prompt_tokens": s.prompt_tokens, "cached_prompt_tokens": s.cached_prompt_tokens,
+              "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "generation_tokens": s.decode_tokens,
+              "generation_tokens_per_s": s.decode_tokens_per_s, "prefill_tokens_per_s": s.prefill_tokens_per_s,
+              "preemptions": s.preemptions, "kv_blocks_used": s.kv_blocks_used,
+              "kv_blocks_total": s.kv_blocks_total,
+              "kv_cache_usage": s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0}
+    server = {"requests_in_flight": state.requests_in_flight(), "prompts_pending": state.prompts_pending(),
+              "async_batches_running": state.batches.running(), "async_batches_kept": len(state.batches),
+              "requests_cancelled": dict(state.cancelled)}
+    return {"model": state.model_id, "engine": engine, "server": server}
+
+
+@router.get("/v1/batch/{batch_id}")
+async def batch_status(batch_id: str, request: Request) -> dict:
+    return server_state(request).batches.get(batch_id).to_json()
+
+
+@router.post("/v1/batch/{batch_id}/cancel")
+async def batch_cancel(batch_id: str, request: Request) -> dict:
+    job = server_state(request).batches.get(batch_id)
+    if job.finished_at is None:
+        job.cancel_asked = True
+        await asyncio.to_thread(job.batch.cancel)
+        # The batch is done; its task records the end right after (bounded: never hang a request).
+        await asyncio.wait({asyncio.ensure_future(job.ended.wait())}, timeout=5)
+    return job.to_json()

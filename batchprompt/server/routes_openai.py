@@ -1,0 +1,74 @@
+"""OpenAI's routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
+
+Each route parses, hands the prompts to the process's engine as one batch, and shapes the
+answer; every request is batched with every other (and with in-process callers) by the engine."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from ..api.batch import Batch
+from . import responses, waiting
+from .errors import ApiError
+from .requests import plan_chat, plan_completion
+from .schemas import ChatRequest, CompletionRequest, read_json
+from .state import ServerState
+
+router = APIRouter()
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    return {"object": "list", "data": [_model(server_state(request))]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request) -> dict:
+    state = server_state(request)
+    state.check_model(model_id)
+    return _model(state)
+
+
+def _model(state: ServerState) -> dict:
+    return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "batchprompt"}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    return await _complete(request, ChatRequest, plan_chat, chat=True)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    return await _complete(request, CompletionRequest, plan_completion, chat=False)
+
+
+async def _complete(request: Request, schema, plan_fn, chat: bool):
+    state = server_state(request)
+    body = await read_json(request, schema)
+    state.check_model(body.get("model"))
+    service = state.service()
+    engine = service.engine
+    # Rendering and tokenizing take the tokenizer's lock and some CPU: off the event loop.
+    plan = await asyncio.to_thread(plan_fn, body, engine.tokenizer, engine.max_model_len)
+    batch = Batch(service, plan.prepared)
+    created = int(time.time())
+    if body.get("stream"):
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        chunks = responses.Chunks(plan, chat, state.model_id, created, include_usage)
+        if state.shutting_down:
+            raise ApiError(503, "the server is shutting down", "shutting_down")
+        return StreamingResponse(waiting.events(state, batch, chunks), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    results = await waiting.results(request, state, batch)
+    failed = responses.failure(results)
+    if failed is not None:
+        raise failed
+    return responses.body(plan, results, state.model_id, created)

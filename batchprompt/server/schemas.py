@@ -1,0 +1,88 @@
+"""Request bodies: read as JSON (400 if not, 413 above the limit) and checked against a schema
+of the fields' types (422 naming each wrong field). Values are checked later, by the code that
+uses them (SamplingParams, the job reader, OutputSpec), with their messages (400).
+
+The models are strict (no "1" for 1) and allow other fields: vLLM's extra parameters and
+OpenAI's fields we ignore pass through to the job reader, which knows them."""
+from __future__ import annotations
+
+import json
+from typing import Any, Type
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.requests import ClientDisconnect
+
+from .errors import ApiError
+
+CLIENT_GONE = 499  # nginx's "client closed request": what the metrics count it as
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = None
+
+
+class _OpenAIBody(_Body):
+    model: str | None = None  # vLLM lets it out; OpenAI's clients always send it
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_choice: list[str] | None = None
+    guided_regex: str | None = None
+    guided_json: Any = None  # a schema object, or its JSON text
+    guided_grammar: str | None = None
+
+
+class ChatRequest(_OpenAIBody):
+    messages: list[Any]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+class CompletionRequest(_OpenAIBody):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+
+
+class BatchRequest(_Body):
+    """/v1/batch/sync and /async: prompts, a shared system prompt, the batch API's options."""
+
+    prompts: list[str | list[dict[str, Any]]]
+    system: str | None = None
+    model: str | None = None
+    callback_url: str | None = None
+
+
+async def read_json(request: Request, schema: Type[BaseModel]) -> dict[str, Any]:
+    """The body as a dict that fits `schema`'s types."""
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        raise ApiError(CLIENT_GONE, "the client went away while sending the body", "client_disconnected") from None
+    try:
+        obj = json.loads(raw)
+    except ValueError as e:  # JSONDecodeError, and bytes that are not UTF-8
+        raise ApiError(400, f"the body is not valid JSON ({e}); send a JSON object with "
+                            f"Content-Type: application/json", "invalid_json") from None
+    if not isinstance(obj, dict):
+        raise ApiError(400, f"the body must be a JSON object, got {type(obj).__name__}", "invalid_json")
+    try:
+        schema.model_validate(obj)
+    except ValidationError as e:
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+    return obj

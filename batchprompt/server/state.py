@@ -1,0 +1,161 @@
+"""ServerState: the model the server runs, whether it is ready, and the work in flight.
+
+The engine is the process's one EngineService for the model (`get_service`, the same one that
+`bp.LanguageModel.create(model=...)` and `batchprompt run` use), so HTTP requests and in-process
+callers are batched together. It is loaded before the server listens; /ready says 503 once the
+server is shutting down or the engine has stopped."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from collections import Counter
+from contextlib import contextmanager
+from typing import Iterator
+
+from ..api.batch import Batch
+from ..api.result import EngineStoppedError
+from ..api.service import EngineService, get_service
+from ..engine import EngineStats
+from ..models import resolve_model
+from ..models.loader import EMBEDDED_NAMES
+from .batches import BatchStore, Webhooks
+from .config import ServerConfig
+from .errors import ApiError
+
+log = logging.getLogger("batchprompt")
+
+SHUTTING_DOWN = "the server is shutting down; the request was cancelled (send it to another server or retry later)"
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        source = resolve_model(config.model)  # an unknown model fails here, before the server starts
+        self.model_id = source.name  # what /v1/models lists
+        self.model_key = str(source.path)  # what get_service is called with (a hub id is not looked up again)
+        # Names a request's "model" may give: the listed id, what --model said, the embedded aliases.
+        self.model_names = {source.name, str(config.model)} if config.model else {source.name}
+        if source.name == "smollm2-135m":
+            self.model_names |= set(EMBEDDED_NAMES)
+        self.created = int(time.time())
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.shutting_down = False
+        self._cancelling: asyncio.Future | None = None  # the shutdown's cancel of requests in flight
+        self.cancelled: Counter[str] = Counter()  # requests cancelled, by reason (metrics)
+        self._service: EngineService | None = None
+        self._lock = threading.Lock()
+        self._active: set[Batch] = set()  # batches of requests being answered (not async batches)
+        self.batches = BatchStore(config.batch_retention_s, config.max_batches)
+        self.webhooks = Webhooks(config.webhook_attempts, config.webhook_backoff_s, config.webhook_timeout_s)
+
+    # ---- the model ---------------------------------------------------------------------------
+    def load(self) -> None:
+        """Load the model and start its engine, on the calling thread: the main thread. (An
+        engine built on another thread ran 15-20x slower on a busy 2-core machine: its OpenMP
+        workers spin-wait against each other.)"""
+        if self._service is not None:
+            return
+        t0 = time.perf_counter()
+        self._service = get_service(self.model_key, engine_options=self.config.engine_options)
+        log.info("model %s ready in %.1fs", self.model_id, time.perf_counter() - t0)
+
+    @property
+    def ready(self) -> bool:
+        service = self._service
+        return service is not None and not service.stopped and not self.shutting_down
+
+    def service(self) -> EngineService:
+        """The engine service, or a 503 that says why there is none now."""
+        if self.shutting_down:
+            raise ApiError(503, "the server is shutting down", "shutting_down")
+        service = self._service
+        if service is None:
+            raise ApiError(503, f"the model {self.model_id} is not loaded yet; GET /ready says when it is",
+                           "model_not_ready")
+        if service.stopped:  # its thread failed, or bp.shutdown() was called in this process
+            raise ApiError(503, f"the engine stopped ({service.stop_reason}); restart the server",
+                           "engine_stopped")
+        return service
+
+    def check_model(self, name) -> None:
+        """A request's "model": ours (or left out, as vLLM allows), else 404."""
+        if name is not None and name not in self.model_names:
+            raise ApiError(404, f"the model {name!r} does not exist here: this server runs {self.model_id!r} "
+                                f"(GET /v1/models)", "model_not_found", "model")
+
+    def engine_stats(self) -> EngineStats | None:
+        """A copy of the engine's stats, taken between steps (blocking: call from a thread)."""
+        service = self._service
+        if service is None:
+            return None
+        try:
+            return service.call(lambda: dataclasses.replace(service.engine.stats)).result(timeout=30)
+        except (EngineStoppedError, concurrent.futures.TimeoutError):  # stopped, or stuck in a step
+            return None
+
+    # ---- work in flight ----------------------------------------------------------------------
+    @contextmanager
+    def track(self, batch: Batch) -> Iterator[None]:
+        """Hold `batch` as in flight: a shutdown cancels it. Enter on the event loop."""
+        if self.shutting_down:
+            raise ApiError(503, SHUTTING_DOWN, "shutting_down")
+        with self._lock:
+            self._active.add(batch)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active.discard(batch)
+
+    def prompts_pending(self) -> int:
+        """Prompts of in-flight requests not answered yet (queued or running)."""
+        with self._lock:
+            active = list(self._active)
+        return sum(b.total - b.progress.done for b in active)
+
+    def requests_in_flight(self) -> int:
+        with self._lock:
+            return len(self._active)
+
+    def begin_shutdown_threadsafe(self) -> None:
+        """From a signal handler: start the shutdown on the event loop."""
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self.begin_shutdown)
+
+    def begin_shutdown(self) -> asyncio.Future | None:
+        """Refuse new work and cancel what is in flight, so that uvicorn's wait for open
+        requests ends at once (each answers 503, or ends its stream with an error)."""
+        if self.shutting_down:
+            return self._cancelling
+        self.shutting_down = True
+        with self._lock:
+            active = list(self._active)
+        if active:
+            self.cancelled["shutdown"] += len(active)
+            self._cancelling = asyncio.ensure_future(asyncio.to_thread(_cancel_all, active))
+        return self._cancelling
+
+
+def _cancel_all(batches: list[Batch]) -> None:
+    for batch in batches:
+        try:
+            batch.cancel()
+        except Exception:  # noqa: BLE001  (one batch's failure must not keep the others running)
+            log.exception("could not cancel a request at shutdown")
+
+
+async def close(state: ServerState) -> None:
+    """At the app's end: cancel what is in flight, async batches and their webhooks included."""
+    pending = state.begin_shutdown()
+    tasks = [job.task for job in state.batches.all() if job.task is not None and not job.task.done()]
+    for task in tasks:  # an async batch's task cancels its batch as it goes
+        task.cancel()
+    waits = tasks + ([pending] if pending is not None else [])
+    if waits:
+        await asyncio.wait(waits, timeout=30)
+    await state.webhooks.close()

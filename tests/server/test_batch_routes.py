@@ -1,0 +1,157 @@
+"""The batch endpoints on a real server: /v1/batch/sync, /v1/batch/async with a webhook (a
+small HTTP server in the test, on 127.0.0.1), status, cancel and stats."""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from .conftest import error_of, start_server, stop_server
+
+pytestmark = pytest.mark.slow
+
+WAIT_S = 300  # bounded waits: a broken build fails instead of hanging
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = start_server(tmp_path_factory.mktemp("server"))
+    yield srv
+    assert stop_server(srv) == 0, srv.output()
+
+
+class Receiver:
+    """A webhook receiver on 127.0.0.1: answers each POST with the next of `statuses` (200 once
+    they run out) and hands over (status answered, JSON body)."""
+
+    def __init__(self, statuses=()):
+        self.statuses = list(statuses)
+        self.posts: queue.Queue = queue.Queue()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                status = receiver.statuses.pop(0) if receiver.statuses else 200
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                receiver.posts.put((status, self.headers.get("X-Batchprompt-Batch-Id"), body))
+
+            def log_message(self, *args):  # quiet
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hook"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def next_post(self):
+        return self.posts.get(timeout=WAIT_S)
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture()
+def receiver():
+    r = Receiver([500])  # the first delivery fails: the server retries
+    yield r
+    r.close()
+
+
+def test_sync_results_in_input_order_with_item_errors(server):
+    # Prompts of growing length: each result's prompt_tokens shows which prompt it answers.
+    prompts = ["Hi", "Hi " * 8, [{"role": "wizard", "content": "x"}], "Hi " * 20]
+    with server.client() as c:
+        r = c.post("/v1/batch/sync", json={"prompts": prompts, "system": "Be brief.", "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    results = out["results"]
+    assert [x["index"] for x in results] == [0, 1, 2, 3]
+    assert results[2]["finish_reason"] == "error" and "unknown role 'wizard'" in results[2]["error"]
+    ok = [results[i] for i in (0, 1, 3)]
+    assert all(x["error"] is None and x["text"] for x in ok)
+    lengths = [x["usage"]["prompt_tokens"] for x in ok]
+    assert lengths == sorted(lengths) and len(set(lengths)) == 3
+    assert out["progress"]["done"] == out["progress"]["total"] == 4 and out["progress"]["failed"] == 1
+
+
+def test_sync_takes_the_batch_apis_structured_options(server):
+    with server.client() as c:
+        r = c.post("/v1/batch/sync", json={"prompts": ["WIN a prize now!!!", "See you at lunch"],
+                                           "choices": ["spam", "ham"], "choice_mode": "score"})
+    results = r.json()["results"]
+    assert [x["text"] in ("spam", "ham") for x in results] == [True, True]
+    assert all(abs(sum(x["choice_probs"].values()) - 1) < 1e-6 for x in results)
+
+
+@pytest.mark.parametrize("body, status", [
+    ({"prompts": ["x"], "colour": "red"}, 400),  # not an option of the batch API
+    ({"prompts": ["x"], "max_tokens": 0}, 400),
+    ({"prompts": "x"}, 422),
+    ({"prompts": ["x"], "model": "other"}, 404),
+    ({"prompts": ["x"], "callback_url": "ftp://example.com/x"}, 400),
+    ({"prompts": ["x"], "callback_url": "not a url"}, 400),
+])
+def test_batch_request_errors(server, body, status):
+    with server.client() as c:
+        r = c.post("/v1/batch/async" if "callback_url" in body else "/v1/batch/sync", json=body)
+    assert r.status_code == status, r.text
+    error_of(r)
+
+
+def test_async_batch_reports_progress_and_posts_its_results_to_the_webhook(server, receiver):
+    prompts = ["Say one word.", "Name a colour.", "Count to three."]
+    with server.client() as c:
+        r = c.post("/v1/batch/async", json={"prompts": prompts, "max_tokens": 6, "callback_url": receiver.url})
+        assert r.status_code == 202, r.text
+        batch_id = r.json()["batch_id"]
+        status, header_id, first = receiver.next_post()
+        assert status == 500  # refused once ...
+        status, header_id, body = receiver.next_post()  # ... and delivered again
+        assert status == 200 and header_id == batch_id
+        assert body["id"] == batch_id and body["status"] == "completed"
+        assert [x["index"] for x in body["results"]] == [0, 1, 2]
+        assert all(x["error"] is None and x["text"] for x in body["results"])
+        progress = body["progress"]
+        assert progress["done"] == progress["total"] == 3 and progress["failed"] == 0 and progress["eta_s"] == 0
+        assert first["results"] == body["results"]
+        got = c.get(f"/v1/batch/{batch_id}").json()
+    assert got["results"] == body["results"] and got["status"] == "completed"
+    assert got["webhook"] == {"url": receiver.url, "status": "delivered", "attempts": 2, "last_error": None}
+
+
+def test_async_batch_can_be_cancelled(server):
+    with server.client() as c:
+        r = c.post("/v1/batch/async", json={"prompts": ["Letters:"] * 2, "max_tokens": 3000,
+                                            "regex": "[ab]{3000}"})
+        batch_id = r.json()["batch_id"]
+        server.wait_until(lambda s: s["engine"]["running"] >= 1, "the batch reached the engine")
+        assert c.get(f"/v1/batch/{batch_id}").json()["status"] == "running"
+        out = c.post(f"/v1/batch/{batch_id}/cancel").json()
+    assert out["status"] == "cancelled"
+    assert [x["finish_reason"] for x in out["results"]] == ["cancelled", "cancelled"]
+    stats = server.wait_until(lambda s: s["engine"]["running"] == 0 and s["engine"]["waiting"] == 0,
+                              "the engine dropped the cancelled batch")
+    assert stats["server"]["async_batches_running"] == 0
+
+
+def test_unknown_batch_is_404(server):
+    with server.client() as c:
+        r = c.get("/v1/batch/batch_nope")
+    assert r.status_code == 404 and error_of(r)["code"] == "batch_not_found"
+
+
+def test_stats(server):
+    stats = server.stats()
+    assert stats["model"] == "smollm2-135m"
+    engine = stats["engine"]
+    for key in ("running", "waiting", "finished", "prefix_cache_hit_rate", "generation_tokens_per_s",
+                "kv_blocks_used", "kv_blocks_total", "kv_cache_usage"):
+        assert key in engine, key
+    assert engine["kv_blocks_total"] > 0 and 0 <= engine["kv_cache_usage"] <= 1

@@ -1,0 +1,91 @@
+"""The server's API key, its unauthenticated health routes, bad options, and a clean stop:
+Ctrl-C with requests in flight cancels them (503, or an error event in a stream) and exits 0."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import openai
+import pytest
+
+from .conftest import LONG_COMPLETION, STOP_TIMEOUT_S, error_of, start_server, stop_server
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-test-0123456789"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = start_server(tmp_path_factory.mktemp("server"), api_key=KEY)
+    yield srv
+    stop_server(srv)  # the last test stops it itself
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                                     {"Authorization": f"Basic {KEY}"}])
+def test_v1_routes_need_the_key(server, headers):
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/v1/batch/stats"),
+                         ("GET", "/v1/no-such-route")):
+        r = httpx.request(method, server.url + path, headers=headers, json={}, timeout=60)
+        assert r.status_code == 401, (path, r.text)
+        assert error_of(r)["code"] == "invalid_api_key"
+
+
+def test_the_key_opens_them(server):
+    client = server.openai()
+    assert [m.id for m in client.models.list().data] == ["smollm2-135m"]
+    out = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}],
+                                         max_tokens=3)
+    assert out.choices[0].message.content
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_health_ready_and_metrics_need_no_key(server):
+    for path in ("/health", "/ready", "/metrics"):
+        assert httpx.get(server.url + path, timeout=60).status_code == 200, path
+
+
+def test_bad_options_exit_2_before_loading(tmp_path):
+    env = {**os.environ, "BATCHPROMPT_API_KEY": "  "}  # read when --api-key is not given
+    for args, words in ((["--model", str(tmp_path / "missing.gguf")], "unknown model"),
+                        (["--max-body-bytes", "10"], "--max-body-bytes"),
+                        (["--port", "70000"], "--port"),
+                        ([], "$BATCHPROMPT_API_KEY) must not be blank")):
+        p = subprocess.run([sys.executable, "-m", "batchprompt.server", *args], capture_output=True, text=True,
+                           timeout=300, env=env if not args else None)
+        assert p.returncode == 2, p.stderr
+        assert words in p.stderr
+
+
+def test_ctrl_c_cancels_requests_in_flight_and_exits_0(server):
+    answers: dict = {}
+
+    def plain():
+        with server.client() as c:
+            answers["plain"] = c.post("/v1/completions", json=LONG_COMPLETION)
+
+    def streamed():
+        with server.client() as c, c.stream("POST", "/v1/completions", json={**LONG_COMPLETION, "stream": True}) as r:
+            answers["stream"] = [line for line in r.iter_lines() if line]
+
+    threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+    for t in threads:
+        t.start()
+    server.wait_until(lambda s: s["engine"]["running"] >= 2, "both requests reached the engine")
+    server.proc.send_signal(signal.SIGINT)
+    assert server.proc.wait(STOP_TIMEOUT_S) == 0, server.output()
+    for t in threads:
+        t.join(STOP_TIMEOUT_S)
+        assert not t.is_alive()
+    assert answers["plain"].status_code == 503 and error_of(answers["plain"])["code"] == "shutting_down"
+    events = answers["stream"]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "shutting_down"
+    assert "Traceback" not in server.output()

@@ -1,0 +1,255 @@
+"""OpenAI's routes on a real server, through the official `openai` client and plain httpx."""
+from __future__ import annotations
+
+import json
+import socket
+
+import jsonschema
+import openai
+import pytest
+
+from .conftest import LONG_COMPLETION, error_of, start_server, stop_server
+
+pytestmark = pytest.mark.slow
+
+BODY_LIMIT = 65536
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = start_server(tmp_path_factory.mktemp("server"), "--max-body-bytes", str(BODY_LIMIT))
+    yield srv
+    assert stop_server(srv) == 0, srv.output()
+
+
+def test_models_lists_the_served_model(server):
+    client = server.openai()
+    models = client.models.list().data
+    assert [m.id for m in models] == ["smollm2-135m"]
+    assert client.models.retrieve("smollm2-135m").id == "smollm2-135m"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+
+
+def test_completions_answer_a_list_of_prompts_in_input_order(server):
+    prompts = ["1, 2, 3, 4,", "A, B, C, D,", "Monday, Tuesday, Wednesday,"]
+    out = server.openai().completions.create(model="smollm2-135m", prompt=prompts, max_tokens=4, temperature=0)
+    assert out.object == "text_completion"
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    # Each continuation can only belong to its own prompt.
+    assert "5" in out.choices[0].text and "E" in out.choices[1].text and "Thursday" in out.choices[2].text
+    assert 3 <= out.usage.completion_tokens <= 3 * 4
+    assert out.usage.prompt_tokens > 3 * 4
+
+
+def test_completions_take_token_ids_and_default_to_16_tokens(server):
+    tokens = [[16, 28, 220, 33], [50, 28, 220]]
+    out = server.openai().completions.create(model="smollm2-135m", prompt=tokens, temperature=0, logprobs=0)
+    assert len(out.choices) == 2
+    for choice in out.choices:
+        assert choice.finish_reason in ("stop", "length")
+        assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs) <= 16
+        assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+    assert out.usage.prompt_tokens == 7
+
+
+def test_chat_completion(server):
+    out = server.openai().chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "system", "content": "Answer in one word."},
+                                        {"role": "user", "content": "What colour is the sky?"}],
+        max_completion_tokens=8, temperature=0, logprobs=True)
+    choice = out.choices[0]
+    assert out.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.message.content and choice.finish_reason in ("stop", "length")
+    assert len(choice.logprobs.content) == out.usage.completion_tokens <= 8
+    assert "".join(t.token for t in choice.logprobs.content).strip() == choice.message.content.strip()
+
+
+def test_chat_streams_server_sent_events(server):
+    client = server.openai()
+    messages = [{"role": "user", "content": "Say hello."}]
+    whole = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=12)
+    stream = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=12, n=2,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    first = chunks[0]
+    assert [(c.index, c.delta.role) for c in first.choices] == [(0, "assistant"), (1, "assistant")]
+    text = {0: "", 1: ""}
+    finish = {}
+    for c in chunks[1:-1]:
+        assert len(c.choices) == 1 and c.usage is None
+        choice = c.choices[0]
+        text[choice.index] += choice.delta.content or ""
+        if choice.finish_reason:
+            finish[choice.index] = choice.finish_reason
+    assert set(finish) == {0, 1}
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.prompt_tokens == whole.usage.prompt_tokens
+    assert 2 <= usage.completion_tokens <= 2 * 12
+    assert text[0] and text[1]
+
+
+def test_completions_stream(server):
+    with server.client() as c, c.stream("POST", "/v1/completions", json={
+            "prompt": ["1, 2, 3, 4,", "A, B, C, D,"], "max_tokens": 4, "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    by_index = {ch["choices"][0]["index"]: ch["choices"][0] for ch in chunks}
+    assert "5" in by_index[0]["text"] and "E" in by_index[1]["text"]
+    assert {ch["object"] for ch in chunks} == {"text_completion"}
+
+
+def test_structured_output_choices(server):
+    client = server.openai()
+    labels = ["spam", "ham"]
+    for extra in ({"guided_choice": labels}, {"structured_outputs": {"choice": labels}}):
+        out = client.chat.completions.create(
+            model="smollm2-135m", messages=[{"role": "user", "content": "WINNER! Claim your prize now"}],
+            extra_body=extra)
+        assert out.choices[0].message.content in labels, extra
+    out = client.completions.create(model="smollm2-135m", prompt=["Label: ", "Word: "], max_tokens=5,
+                                    extra_body={"guided_choice": labels})
+    assert [c.text in labels for c in out.choices] == [True, True]
+
+
+def test_structured_output_json_schema(server):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}}, "required": ["name", "age"]}
+    out = server.openai().chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        max_tokens=48, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+@pytest.mark.parametrize("body, status, code", [
+    (b'{"messages": [', 400, "invalid_json"),
+    (b'[1, 2]', 400, "invalid_json"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, None),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, None),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, None),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "invalid_messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400, "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "hi"}], "guided_regex": "("}, 400, None),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 422, "invalid_type"),
+    ({"messages": "hi", "max_tokens": "8"}, 422, "invalid_type"),
+    ({"max_tokens": 8}, 422, "invalid_type"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"}, 404, "model_not_found"),
+])
+def test_chat_errors_in_openai_shape(server, body, status, code):
+    with server.client() as c:
+        if isinstance(body, bytes):
+            r = c.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+        else:
+            r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == status, r.text
+    error = error_of(r)
+    if code is not None:
+        assert error["code"] == code, error
+
+
+@pytest.mark.parametrize("body, code", [
+    ({"prompt": "hi", "echo": True}, "unsupported_parameter"),
+    ({"prompt": "hi", "logprobs": 2}, "unsupported_parameter"),
+    ({"prompt": []}, "invalid_prompt"),
+    ({"prompt": ["ok", ""]}, "invalid_prompt"),
+    ({"prompt": [1, 2] * 5000}, "context_length_exceeded"),
+])
+def test_completion_errors(server, body, code):
+    with server.client() as c:
+        r = c.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert error_of(r)["code"] == code
+
+
+def test_unknown_route_and_method(server):
+    with server.client() as c:
+        r = c.get("/v1/nothing")
+        assert r.status_code == 404 and error_of(r)["code"] == "not_found"
+        r = c.get("/v1/chat/completions")
+        assert r.status_code == 405 and error_of(r)["code"] == "method_not_allowed"
+
+
+def test_body_over_the_limit_is_413(server):
+    big = {"prompt": "x" * (BODY_LIMIT + 10), "max_tokens": 1}
+    with server.client() as c:
+        r = c.post("/v1/completions", json=big)
+        assert r.status_code == 413 and error_of(r)["code"] == "request_too_large"
+
+        def chunks():  # no Content-Length: the limit applies while the body is read
+            data = json.dumps(big).encode()
+            for i in range(0, len(data), 8192):
+                yield data[i:i + 8192]
+        r = c.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and error_of(r)["code"] == "request_too_large"
+
+
+def test_openai_client_raises_its_errors(server):
+    client = server.openai()
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "hi"}],
+                                       temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.chat.completions.create(model="smollm2-135m", messages="hi")
+
+
+def test_health_ready_and_metrics(server):
+    with server.client() as c:
+        assert c.get("/health").json() == {"status": "ok"}
+        assert c.get("/ready").status_code == 200
+        c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        text = c.get("/metrics").text
+    for name in ("batchprompt_requests_running", "batchprompt_requests_waiting", "batchprompt_prefix_cache_hit_rate",
+                 "batchprompt_kv_cache_usage", "batchprompt_generation_tokens_per_second",
+                 "batchprompt_http_request_duration_seconds_bucket", "batchprompt_model_loaded 1.0"):
+        assert name in text, name
+    assert 'batchprompt_http_requests_total{method="POST",route="/v1/completions",status="200"}' in text
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} in the metrics")
+
+
+def test_a_client_that_disconnects_has_its_request_cancelled(server):
+    before = server.stats()
+    body = json.dumps(LONG_COMPLETION).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        server.wait_until(lambda s: s["engine"]["running"] >= 1, "the request reached the engine")
+    finally:
+        sock.close()
+    after = server.wait_until(lambda s: s["engine"]["running"] == 0 and s["engine"]["waiting"] == 0,
+                              "the engine dropped the request")
+    assert after["server"]["requests_cancelled"].get("client_disconnected", 0) == \
+        before["server"]["requests_cancelled"].get("client_disconnected", 0) + 1
+    assert after["server"]["prompts_pending"] == 0
+    generated = after["engine"]["generation_tokens"] - before["engine"]["generation_tokens"]
+    assert generated < LONG_COMPLETION["max_tokens"]
+    with server.client() as c:
+        metrics = c.get("/metrics").text
+    assert _metric(metrics, 'batchprompt_server_requests_cancelled_total{reason="client_disconnected"}') >= 1
+
+
+def test_a_stream_that_disconnects_has_its_request_cancelled(server):
+    before = server.stats()
+    with server.client() as c, c.stream("POST", "/v1/completions", json={**LONG_COMPLETION, "stream": True}) as r:
+        assert r.status_code == 200
+        server.wait_until(lambda s: s["engine"]["running"] >= 1, "the request reached the engine")
+    after = server.wait_until(lambda s: s["engine"]["running"] == 0 and s["engine"]["waiting"] == 0,
+                              "the engine dropped the streamed request")
+    assert after["server"]["requests_cancelled"].get("client_disconnected", 0) == \
+        before["server"]["requests_cancelled"].get("client_disconnected", 0) + 1
+    assert after["engine"]["generation_tokens"] - before["engine"]["generation_tokens"] < LONG_COMPLETION["max_tokens"]
