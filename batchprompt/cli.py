@@ -5,6 +5,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -43,11 +44,20 @@ written, e.g. a full disk (resumable), 130 interrupted by Ctrl-C, 143 stopped by
 """
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Option help wrapped between words only: an example such as --max-num-seqs 64 stays whole."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="batchprompt", description="Run a language model over many prompts.")
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a file of prompts (resumable)", description=RUN_HELP,
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
+                         formatter_class=_HelpFormatter)
     run.add_argument("input", metavar="INPUT", help="input file, or - for stdin (JSONL)")
     run.add_argument("-o", "--output", required=True, metavar="OUTPUT", help="output file, or - for stdout")
     run.add_argument("--model", default=None,
@@ -75,9 +85,22 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--regex", default=None, metavar="RE", help="every answer matches this regular expression")
     run.add_argument("--json-schema", default=None, metavar="FILE|JSON",
                      help="every answer is JSON valid against this schema (a file or inline JSON)")
-    run.add_argument("--max-num-seqs", type=int, default=None, help="engine: sequences run at once (default 512)")
-    run.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES",
-                     help="engine: KV cache ceiling in bytes (default: a quarter of free memory)")
+    hw = run.add_argument_group("model and hardware")
+    hw.add_argument("--device", default="auto", metavar="DEVICE",
+                    help="where the model runs: auto (a CUDA GPU when one is visible, else the CPU), cpu, cuda, "
+                         "or cuda:N for GPU N (default auto); e.g. --device cuda:1")
+    hw.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                    help="precision of the weights and KV cache (default auto: bfloat16 where the hardware "
+                         "supports it, else float32); e.g. --dtype float32")
+    hw.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                    help="context length in tokens, prompt plus answer (default: the model's own, also the "
+                         "most); a longer row fails alone (context_length_exceeded); e.g. --max-model-len 4096")
+    hw.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                    help="KV cache ceiling: bytes with a unit (4GiB, 512MB, 1.5G; K/M/G/T alone are binary), "
+                         "plain bytes, or a share of free memory (0.3 or 30%%; default 25%%); the cache grows "
+                         "to what the work needs, up to it; e.g. --kv-cache-memory 8GiB")
+    hw.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                    help="sequences run at once (default 512); e.g. --max-num-seqs 64")
     return ap
 
 
@@ -106,13 +129,16 @@ def run_command(args: argparse.Namespace) -> int:
         structured = _structured_options(args)
     except ValueError as e:
         return _fail(str(e))
-    engine_options = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
-                                        ("kv_cache_memory", args.kv_cache_memory)) if v is not None}
+    try:
+        device = _check_device(args.device)
+        engine_options = _engine_options(args, device)
+    except ValueError as e:
+        return _fail(str(e))
     opts = JobOptions(input=args.input, output=args.output, errors=args.errors, model=args.model,
                       system=args.system, max_tokens=args.max_tokens, temperature=args.temperature,
                       seed=args.seed, column=args.column, format=args.format, dry_run=args.dry_run,
                       restart=args.restart, progress=not args.no_progress, journal=args.journal,
-                      engine_options=engine_options, structured=structured)
+                      device=device, dtype=args.dtype, engine_options=engine_options, structured=structured)
     try:
         with sigterm_as_interrupt():
             summary = run_job(opts)
@@ -134,6 +160,64 @@ def run_command(args: argparse.Namespace) -> int:
 
 def _interrupted_exit(signum: int) -> int:
     return EXIT_TERMINATED if signum == signal.SIGTERM else EXIT_INTERRUPTED
+
+
+def _check_device(text: str) -> str:
+    """--device as the engine takes it. A GPU that is not there fails now, before any work."""
+    import torch
+
+    device = text.strip().lower()
+    if device in ("auto", "cpu"):
+        return device
+    m = re.fullmatch(r"cuda(?::(\d+))?", device)
+    if m is None:
+        raise ValueError(f"--device {text}: not a device; give auto, cpu, cuda, or cuda:N for GPU N")
+    if not torch.cuda.is_available():
+        why = "this PyTorch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise ValueError(f"--device {text}: {why}; use --device cpu (or auto)")
+    count = torch.cuda.device_count()
+    if m.group(1) is not None and int(m.group(1)) >= count:
+        raise ValueError(f"--device {text}: there is no GPU {m.group(1)}; this machine shows {count} "
+                         f"(cuda:0 to cuda:{count - 1})")
+    return device
+
+
+def _engine_options(args: argparse.Namespace, device: str) -> dict:
+    """EngineConfig fields from --max-model-len, --kv-cache-memory and --max-num-seqs, checked now."""
+    from .engine.config import EngineConfig
+
+    opts: dict = {}
+    if args.max_num_seqs is not None:
+        if args.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+        opts["max_num_seqs"] = args.max_num_seqs
+    if args.max_model_len is not None:
+        if args.max_model_len < 2:  # a prompt of one token and one generated
+            raise ValueError(f"--max-model-len must be >= 2 (tokens of prompt plus answer), got {args.max_model_len}")
+        opts["max_model_len"] = args.max_model_len
+    if args.kv_cache_memory is not None:
+        opts.update(_kv_options(args.kv_cache_memory, device))
+    EngineConfig(**opts)  # anything else the engine would refuse, refused now
+    return opts
+
+
+def _kv_options(text: str, device: str) -> dict:
+    """--kv-cache-memory as EngineConfig's kv_cache_memory (bytes) or kv_memory_fraction."""
+    from .device import available_memory, resolve_device
+    from .units import format_bytes, parse_memory
+
+    try:  # 0.95: EngineConfig's bound on the share; the rest is for the weights and activations
+        size, fraction = parse_memory(text, max_fraction=0.95)
+    except ValueError as e:
+        raise ValueError(f"--kv-cache-memory {e}") from None
+    if size is None:
+        return {"kv_memory_fraction": fraction}
+    dev = resolve_device(device)
+    free = available_memory(dev)
+    if size > free:  # not refused: the cache grows only as far as the work needs
+        logging.getLogger("batchprompt").warning("--kv-cache-memory %s is more than the %s free on %s now; a "
+                                                 "large job may run out of memory", text, format_bytes(free), dev)
+    return {"kv_cache_memory": size}
 
 
 def _structured_options(args: argparse.Namespace) -> dict:

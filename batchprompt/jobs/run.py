@@ -44,7 +44,9 @@ class JobOptions:
     progress: bool = True
     journal: str | None = None  # default: OUTPUT.journal (or the cache, for stdout)
     calibration_rows: int = 64
-    engine_options: dict = field(default_factory=dict)
+    device: str = "auto"  # auto, cpu, cuda, cuda:N
+    dtype: str = "auto"  # auto, bfloat16, float16, float32
+    engine_options: dict = field(default_factory=dict)  # EngineConfig fields
     # Structured output for rows whose body asks for none (OutputSpec.from_options keywords).
     structured: dict = field(default_factory=dict)
 
@@ -244,7 +246,8 @@ class JobRun:
         interrupted_by = 0
         t0 = time.perf_counter()
         if todo:
-            service = get_service(self.model_path, engine_options=opts.engine_options)
+            service = get_service(self.model_path, device=opts.device, dtype=opts.dtype,
+                                  engine_options=opts.engine_options)
             self.say(f"model {model_name} ready in {time.perf_counter() - t0:.1f}s; {len(todo)} rows to run")
             t0 = time.perf_counter()
             stats0 = _stats_snapshot(service)
@@ -311,7 +314,8 @@ class JobRun:
         opts = self.opts
         rows = [r for r in table.rows if isinstance(r, Row)]
         summary = JobSummary(rows=len(table.rows), failed=len(table.rows) - len(rows), notes=table.notes())
-        service = get_service(self.model_path, engine_options=opts.engine_options)
+        service = get_service(self.model_path, device=opts.device, dtype=opts.dtype,
+                              engine_options=opts.engine_options)
         tok = service.engine.tokenizer
         for r in rows:
             try:

@@ -64,6 +64,71 @@ def test_help_explains_formats_and_resuming(capsys):
     assert "custom_id" in text and "--column" in text and "resume" in text.lower() and "--dry-run" in text
 
 
+def _one_row_job(tmp_path: Path) -> tuple[Path, Path]:
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "hi"}\n')
+    return inp, tmp_path / "o.jsonl"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--kv-cache-memory", "4 gigs"], "--kv-cache-memory '4 gigs': unknown unit 'gigs'; give bytes with a unit"),
+    (["--kv-cache-memory", "100%"], "--kv-cache-memory '100%' reads as a share of free memory"),
+    (["--kv-cache-memory", "0"], "must be above 0"),
+    (["--kv-cache-memory", "1.5"], "plain bytes are a whole number"),
+    (["--device", "gpu"], "--device gpu: not a device; give auto, cpu, cuda, or cuda:N"),
+    (["--device", "cuda:99"], "--device cuda:99: "),  # no CUDA here, or no GPU 99
+    (["--max-model-len", "0"], "--max-model-len must be >= 2"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1, got 0"),  # was a traceback after the journal opened
+])
+def test_bad_hardware_options_fail_before_any_work(tmp_path, capsys, flags, message):
+    inp, out = _one_row_job(tmp_path)
+    assert main(["run", str(inp), "-o", str(out), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("batchprompt: error:") == 1 and message in err
+    # The journal opens before the model loads: without it, nothing was started.
+    assert not out.exists() and not Path(str(out) + ".journal").exists()
+
+
+def test_unknown_dtype_is_a_usage_error(tmp_path, capsys):
+    inp, out = _one_row_job(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["run", str(inp), "-o", str(out), "--dtype", "half"])
+    assert e.value.code == 2
+    assert "--dtype: invalid choice: 'half'" in capsys.readouterr().err
+    assert not Path(str(out) + ".journal").exists()
+
+
+def test_device_cuda_without_a_gpu_fails_before_any_work(tmp_path):
+    inp, out = _one_row_job(tmp_path)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}  # no GPU, on any machine
+    proc = subprocess.run([sys.executable, "-m", "batchprompt", "run", str(inp), "-o", str(out), "--device", "cuda"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "batchprompt: error: --device cuda: " in proc.stderr and "use --device cpu" in proc.stderr
+    assert "Traceback" not in proc.stderr and not Path(str(out) + ".journal").exists()
+
+
+@pytest.mark.parametrize("text, options", [
+    ("64MiB", {"kv_cache_memory": 64 << 20}), ("4294967296", {"kv_cache_memory": 4294967296}),
+    ("30%", {"kv_memory_fraction": 0.3}), ("0.5", {"kv_memory_fraction": 0.5}),
+])
+def test_kv_cache_memory_reaches_the_engine_config_as_bytes_or_a_share(text, options):
+    from batchprompt.cli import _engine_options, build_parser
+
+    args = build_parser().parse_args(["run", "in.jsonl", "-o", "o.jsonl", "--kv-cache-memory", text,
+                                      "--max-model-len", "512", "--max-num-seqs", "8"])
+    assert _engine_options(args, "cpu") == {"max_num_seqs": 8, "max_model_len": 512, **options}
+
+
+def test_help_documents_the_hardware_options_with_examples(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # an example may wrap between its words
+    for example in ("--device cuda:1", "--dtype float32", "--max-model-len 4096", "--kv-cache-memory 8GiB",
+                    "30%", "--max-num-seqs 64"):
+        assert example in text, example
+
+
 # ---- in-process runs on the embedded model -------------------------------------------------------
 pytestmark_slow = pytest.mark.slow
 
@@ -153,6 +218,41 @@ def test_dry_run_counts_and_estimates_without_running(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "dry run: 40 rows" in err and "prompt tokens" in err and "estimated run time" in err
     assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "o.jsonl.journal").exists()
+
+
+@pytest.mark.slow
+def test_dtype_context_and_kv_size_reach_the_engine(tmp_path):
+    import torch
+
+    from batchprompt.api import service as svc
+    from batchprompt.models import resolve_model
+    from batchprompt.runner.kv_tensors import KVTensors
+
+    key = (str(resolve_model(None).path), "cpu", "float32")
+    stale = svc._services.get(key)  # another test's engine under these settings would be shared
+    if stale is not None:
+        stale.shutdown()
+    rows = sms_rows(2)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(chat_line(0, rows[0][1]) + "\n" + chat_line(1, rows[1][1]) + "\n" +
+                   json.dumps({"custom_id": "long", "method": "POST", "url": COMPLETION,
+                               "body": {"prompt": "word " * 700, "max_tokens": 4}}) + "\n")
+    rc = main(["run", str(inp), "-o", str(out), "--device", "cpu", "--dtype", "float32", "--max-model-len", "512",
+               "--kv-cache-memory", "64MiB", "--max-tokens", "4", "--no-progress"])
+    service = svc._services[key]  # the engine this run built
+    try:
+        assert rc == 1  # the long row fails alone
+        assert [o["custom_id"] for o in parse_outputs(out)] == ["sms-0", "sms-1"]
+        (err,) = [json.loads(x) for x in Path(str(out) + ".errors.jsonl").read_text().splitlines()]
+        assert err["error"]["code"] == "context_length_exceeded" and "the context holds 512" in err["error"]["message"]
+        engine = service.engine
+        param = next(engine.model.parameters())
+        assert (param.dtype, param.device.type) == (torch.float32, "cpu")
+        assert engine.max_model_len == 512 and engine.config.kv_cache_memory == 64 << 20
+        per_block = KVTensors.bytes_per_block(engine.model.args, engine.config.block_size, torch.float32)
+        assert engine.pool.max_blocks == (64 << 20) // per_block
+    finally:
+        service.shutdown()  # later tests with these settings get an engine of their own
 
 
 # ---- crashes: a real SIGKILL, and Ctrl-C ---------------------------------------------------------
