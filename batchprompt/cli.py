@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "to what the work needs, up to it; e.g. --kv-cache-memory 8GiB")
     hw.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
                     help="sequences run at once (default 512); e.g. --max-num-seqs 64")
+    from .server.command import add_parser as add_serve_parser  # imports no web framework yet
+    add_serve_parser(sub)
     return ap
 
 
@@ -108,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="batchprompt: %(levelname)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.command == "serve":
+        from .server.command import run as serve
+        return serve(args)
     return run_command(args)
 
 
