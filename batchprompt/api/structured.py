@@ -11,6 +11,7 @@ from typing import Any, Sequence
 from ..engine import SamplingParams
 from ..structured import Grammar
 from ..structured.grammar import check_choices
+from ..structured.validate import grammar_problem
 from .result import Result
 
 CHOICE_MODES = ("score", "decode")
@@ -38,8 +39,10 @@ class OutputSpec:
         mode = choice_mode or "decode"
         if mode not in CHOICE_MODES:
             raise ValueError(f"choice_mode must be 'score' or 'decode', got {choice_mode!r}")
+        schema_option = "json_schema"
         if response_format is not None:
             json_schema = _from_response_format(response_format, json_schema)
+            schema_option = "response_format"
         given = [n for n, v in (("choices", choices), ("regex", regex), ("json_schema", json_schema),
                                 ("grammar", grammar)) if v is not None]
         if len(given) > 1:
@@ -47,16 +50,17 @@ class OutputSpec:
         if choices is not None:
             return cls(None, tuple(check_choices(choices)), mode)
         if regex is not None:
-            return cls(Grammar.regex(regex))
+            return cls(_checked("regex", Grammar.regex(regex)))
         if grammar is not None:
-            return cls(Grammar.lark(grammar))
+            return cls(_checked("grammar", Grammar.lark(grammar)))
         if json_schema is not None:
             if json_schema == "json_object":
                 return cls(Grammar.json_object(JSON_DEFAULTS))
             model_class = None
             if isinstance(json_schema, type) and hasattr(json_schema, "model_json_schema"):
-                model_class, json_schema = json_schema, _closed(json_schema.model_json_schema())
-            return cls(Grammar.json_schema(json_schema, JSON_DEFAULTS), model_class=model_class)
+                model_class, json_schema = json_schema, json_schema.model_json_schema()
+            return cls(_checked(schema_option, Grammar.json_schema(json_schema, JSON_DEFAULTS)),
+                       model_class=model_class)
         return None
 
     def sampling_params(self, params: SamplingParams, tokenizer) -> SamplingParams:
@@ -65,10 +69,16 @@ class OutputSpec:
             return replace(params, grammar=self.grammar)
         # Each label as the tokenizer writes it, in both modes: scoring sums those tokens'
         # log-probs; decoding may only walk those token sequences (a trie of the labels).
-        ids = tuple(tuple(tokenizer.encode(c)) for c in self.labels)
+        ids = tuple(tuple(tokenizer.encode(c, add_special_tokens=False)) for c in self.labels)
+        longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+        if len(ids[longest]) > params.max_tokens:  # in both modes: a label is never cut, nor runs past
+            raise ValueError(f"choices: the label {self.labels[longest]!r} is {len(ids[longest])} tokens, more "
+                             f"than max_tokens ({params.max_tokens}): raise max_tokens to at least "
+                             f"{len(ids[longest])}")
         if self.choice_mode == "score":
             return replace(params, score_choices=ids, max_tokens=1, stop=())
-        return replace(params, grammar=Grammar.choices(self.labels, ids), max_tokens=max(map(len, ids)) + 1)
+        # A label that is a prefix of another ends with EOS, within the longest label's length.
+        return replace(params, grammar=Grammar.choices(self.labels, ids), max_tokens=len(ids[longest]))
 
     def finish(self, result: Result, choice_logprobs: list[float] | None = None) -> Result:
         """Check and parse a finished result: a label with its probabilities, parsed JSON, or a
@@ -120,14 +130,9 @@ def _from_response_format(fmt: Any, json_schema: Any) -> Any:
                      f'{{"type": "json_object"}}, {{"type": "text"}} or a pydantic model class; got {fmt!r}')
 
 
-def _closed(schema: Any) -> Any:
-    """A pydantic schema with no extra properties on any object (as OpenAI's strict mode):
-    the model must not wander into keys the class would drop."""
-    if isinstance(schema, dict):
-        schema = {k: _closed(v) for k, v in schema.items()}
-        if schema.get("type") == "object" and "additionalProperties" not in schema:
-            schema["additionalProperties"] = False
-    elif isinstance(schema, list):
-        schema = [_closed(v) for v in schema]
-    return schema
-
+def _checked(option: str, grammar: Grammar) -> Grammar:
+    """`grammar` if llguidance can use it; otherwise a ValueError naming the option, before any work."""
+    problem = grammar_problem(grammar)
+    if problem is not None:
+        raise ValueError(f"bad {option} (fix it): {problem}")
+    return grammar

@@ -15,6 +15,7 @@ from ..runner.model_runner import ModelRunner
 from ..structured import GrammarCompiler, GrammarError
 from .block_pool import BlockPool
 from .config import EngineConfig
+from .grammar_step import advance_grammar
 from .kv_cache import KVCacheManager
 from .outputs import RequestOutput
 from .request import Request, RequestStatus
@@ -110,6 +111,10 @@ class LLMEngine:
             if req.num_prompt_tokens + longest >= self.max_model_len:
                 return (f"the prompt ({req.num_prompt_tokens} tokens) and the longest choice ({longest}) "
                         f"do not fit the context of {self.max_model_len} tokens: shorten the prompt")
+            if self.kv.blocks_needed(req.num_prompt_tokens + longest) > self.pool.max_blocks:
+                return (f"the prompt ({req.num_prompt_tokens} tokens) and the longest choice ({longest}) need more "
+                        f"KV cache than the budget holds ({self.pool.max_blocks * self.config.block_size} "
+                        f"tokens): raise kv_cache_memory")
             vocab = self.model.args.vocab_size
             if any(not 0 <= t < vocab for c in p.score_choices for t in c):
                 return f"a choice has token ids outside the vocabulary [0, {vocab})"
@@ -156,11 +161,16 @@ class LLMEngine:
         if not self.scheduler.has_work:
             return done
         sched = self.scheduler.schedule()
-        if not sched.chunks:  # nothing fits even alone: cannot happen past _validate, but never spin
+        if not sched.chunks:
+            # Nothing ran, so nothing will free memory: the first waiting request cannot run
+            # even alone. _validate checks only the prompt. A lone request whose output outgrew
+            # the KV budget preempts itself and comes here, as does one for which pinned
+            # prefixes and the admission watermark leave too little room. Fail it, never spin.
             req = self.scheduler.waiting[0]
-            self.scheduler.finish(req)
-            req.finish("error", "the request does not fit in the KV cache budget")
-            return done + [self._finish_output(req)]
+            free = self.pool.num_free * self.config.block_size
+            return done + self._fail(req, f"the request needs KV cache for {req.num_tokens} tokens, more than "
+                                          f"is free with nothing else running ({free} tokens): raise "
+                                          f"kv_cache_memory or lower max_tokens")
         try:
             out = self.runner.execute(sched)
         except Exception as e:  # the step's requests fail alone; everything else goes on
@@ -179,7 +189,10 @@ class LLMEngine:
                 continue
             token = out.sampled[req.request_id]
             req.append_token(token, out.logprobs.get(req.request_id))
-            reason = self._advance_grammar(req, token) if req.matcher is not None else None
+            reason = None
+            if req.matcher is not None:
+                reason = advance_grammar(req, token, self.config.jump_forward, self.max_model_len,
+                                         self.tokenizer, self.eos_token_ids)
             reason = reason or check_stop(req, self.eos_token_ids, self.max_model_len, self.tokenizer)
             if reason:
                 self.scheduler.finish(req)
@@ -193,25 +206,6 @@ class LLMEngine:
         s.preemptions = self.scheduler.num_preemptions
         s.busy_seconds += time.perf_counter() - t0
         return done
-
-    def _advance_grammar(self, req: Request, token: int) -> str | None:
-        """Move the request's grammar past `token`; 'stop' once the grammar is complete.
-
-        Jump-forward: where the grammar allows one continuation only (a JSON key, the rest of
-        a label), those tokens are appended at once and computed together in the next step,
-        like a piece of prompt, instead of one decode step each."""
-        m = req.matcher
-        if not m.consume_token(token):
-            req.finish("error", f"the grammar engine refused token {token}: {m.get_error()}")
-            return "error"
-        p = req.params
-        if self.config.jump_forward and not (m.is_stopped() or p.logprobs or p.stop or p.stop_token_ids):
-            room = min(p.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens)
-            forced = m.compute_ff_tokens()[:max(room, 0)]
-            if forced and m.consume_tokens(forced):
-                for t in forced:
-                    req.append_token(t, None)
-        return "stop" if m.is_stopped() else None
 
     # ---- scoring: each candidate's log-likelihood, the prompt's KV shared ----------------------
     def _start_scoring(self, req: Request, first: list[float]) -> list[RequestOutput]:
@@ -262,17 +256,21 @@ class LLMEngine:
             req = self._requests.get(chunk.request_id)
             if req is None or req.is_finished:  # a candidate whose request already failed
                 continue
-            if req.parent is not None:  # a candidate fails: its whole request fails
-                self.scheduler.finish(req)
-                self._finish_child(req)
-                req = req.parent
-                req.pending_children.discard(chunk.request_id)
-                self._drop_children(req)
-            self.scheduler.finish(req)
-            req.finish("error", message)
-            failed.append(self._finish_output(req))
+            failed += self._fail(req, message)
         self.pool.drop_free_cached()
         return failed
+
+    def _fail(self, req: Request, message: str) -> list[RequestOutput]:
+        """Finish `req` with an error; a scoring candidate fails its whole request."""
+        if req.parent is not None:
+            self.scheduler.finish(req)
+            self._finish_child(req)
+            req.parent.pending_children.discard(req.request_id)
+            req = req.parent
+            self._drop_children(req)
+        self.scheduler.finish(req)
+        req.finish("error", message)
+        return [self._finish_output(req)]
 
     def _finish_output(self, req: Request) -> RequestOutput:
         del self._requests[req.request_id]

@@ -6,6 +6,7 @@ from collections import OrderedDict
 from typing import Iterable
 
 from .grammar import Grammar
+from .validate import dead_end, is_no_match
 
 
 class GrammarError(ValueError):
@@ -66,4 +67,9 @@ class GrammarCompiler:
         matcher = LLMatcher(self.tokenizer, text, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"the grammar engine rejected the {grammar.kind}: {matcher.get_error()}")
+        reason = dead_end(matcher.deep_copy())  # one mask: a grammar that nothing matches fails now
+        if reason is not None:
+            raise GrammarError(f"the {grammar.kind} cannot be satisfied: no text the model can write matches it; "
+                               f"fix the {grammar.kind}" if is_no_match(reason) else
+                               f"the grammar engine stopped on the {grammar.kind}: {reason}")
         return matcher

@@ -5,6 +5,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from .json_schema import close_objects
+
 KINDS = ("choices", "regex", "json_schema", "json_object", "lark")
 
 
@@ -42,8 +44,10 @@ class Grammar:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | str, options: dict[str, Any] | None = None) -> "Grammar":
-        """JSON valid against `schema`; `options` are defaults for llguidance's JSON compiler
-        ("x-guidance"), which the schema's own "x-guidance" overrides."""
+        """JSON valid against `schema`, whose objects allow only the properties they list
+        unless they say `additionalProperties` themselves (see `close_objects`). `options` are
+        defaults for llguidance's JSON compiler ("x-guidance"), which the schema's own
+        "x-guidance" overrides."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -52,7 +56,7 @@ class Grammar:
         if not isinstance(schema, dict):
             raise ValueError(f"json_schema must be a dict (a JSON schema) or a pydantic model class, "
                              f"got {type(schema).__name__}")
-        return cls("json_schema", json.dumps(_with_options(schema, options)))  # key order kept
+        return cls("json_schema", json.dumps(_with_options(close_objects(schema), options)))  # key order kept
 
     @classmethod
     def json_object(cls, options: dict[str, Any] | None = None) -> "Grammar":

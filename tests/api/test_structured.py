@@ -12,6 +12,7 @@ import pydantic
 import pytest
 
 import batchprompt as bp
+from batchprompt.api.structured import OutputSpec
 
 from ..conftest import SPAM_SYSTEM
 
@@ -59,7 +60,7 @@ def test_scored_probabilities_are_the_model_s_likelihoods(lm, engine32, messages
     prompt = tok.encode_prompt(messages[0], SPAM_SYSTEM)
     lls = []
     for label in ("spam", "ham"):
-        out = engine32.generate([prompt + tok.encode(label)],
+        out = engine32.generate([prompt + tok.encode(label, add_special_tokens=False)],
                                 bp.SamplingParams(max_tokens=1, temperature=0, prompt_logprobs_from=len(prompt)))[0]
         lls.append(sum(out.prompt_logprobs))
     z = sum(math.exp(v) for v in lls)
@@ -104,13 +105,55 @@ def test_regex_outputs_match(lm, messages):
         assert r.ok and re.fullmatch(pattern, r.text), r.text
 
 
-def test_a_rejected_schema_fails_its_own_call_only(lm, messages):
+def test_a_rejected_schema_fails_its_call_before_any_work(lm, messages):
     bad = {"type": "object", "properties": {"a": {"type": "strin"}}}
-    batch_bad = lm.create_batch(messages[:3], json_schema=bad).start()
-    good = lm.batch_prompt(messages[:3], choices=["spam", "ham"])
-    assert all(r.ok for r in good)
-    for r in batch_bad.wait():
-        assert not r.ok and "json_schema" in r.error and "strin" in r.error
+    with pytest.raises(ValueError, match="bad json_schema .*Invalid type: strin"):
+        lm.create_batch(messages[:3], json_schema=bad)
+    assert all(r.ok for r in lm.batch_prompt(messages[:3], choices=["spam", "ham"]))  # the session goes on
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"regex": "(unclosed"}, "(?s)bad regex .*unclosed group"),
+    ({"regex": r"[^\s\S]"}, "bad regex .*no text can match it"),
+    ({"regex": r"(spam|ham)[^\s\S]"}, "bad regex .*no text can match it"),
+    ({"json_schema": '{"type": "frobnicate"}'}, "bad json_schema .*Invalid type: frobnicate"),
+    ({"json_schema": {"type": "frobnicate"}}, "bad json_schema .*Invalid type: frobnicate"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": {"type": "strin"}}}},
+     "bad response_format .*strin"),
+    ({"grammar": "start: missing_rule"}, "(?s)bad grammar .*missing_rule"),
+])
+def test_options_the_grammar_engine_rejects_are_value_errors_at_once(options, message):
+    """No model and no tokenizer needed: the CLI checks its flags with this before loading one."""
+    with pytest.raises(ValueError, match=message):
+        OutputSpec.from_options(**options)
+
+
+def test_a_dict_schema_admits_only_its_properties(engine32, messages):
+    """A plain dict schema (no additionalProperties) gets no extra keys, so the answers end.
+    (With extra keys allowed, this model invents "message", "body", ... on most of these and
+    runs out of max_tokens.)"""
+    schema = {"type": "object", "properties": {"sender": {"type": "string", "maxLength": 24},
+                                               "topic": {"type": "string", "maxLength": 24}},
+              "required": ["sender", "topic"]}
+    with bp.LanguageModel.create(system="Extract the fields of this SMS as JSON.", model=engine32) as lm:
+        results = lm.batch_prompt(messages[:8], json_schema=schema, max_tokens=48)
+        for r in results:
+            assert r.ok, r.error
+            jsonschema.validate(r.parsed, {**schema, "additionalProperties": False})
+
+
+@pytest.mark.parametrize("mode", ["decode", "score"])
+def test_labels_respect_max_tokens_in_both_modes(lm, engine32, messages, mode):
+    long_label = "definitely not spam at all, just a friend"
+    labels = [long_label, "spam"]
+    n = len(engine32.tokenizer.encode(long_label, add_special_tokens=False))
+    with pytest.raises(ValueError, match=f"is {n} tokens, more than max_tokens \\(2\\): raise max_tokens"):
+        lm.batch_prompt(messages[:2], choices=labels, choice_mode=mode, max_tokens=2)
+    results = lm.batch_prompt(messages[:4], choices=labels, choice_mode=mode, max_tokens=n)
+    for r in results:
+        assert r.ok and r.text in labels
+        if mode == "decode":
+            assert r.usage.completion_tokens <= n
 
 
 def test_output_cut_by_max_tokens_is_a_clear_error(lm, messages):

@@ -124,3 +124,39 @@ def test_jump_forward_skips_forced_tokens_and_keeps_the_answers(engine32):
         runs[jf] = ([o.text for o in eng.generate(ps, params)], eng.stats.decode_tokens)
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] < runs[False][1] / 2  # the keys and punctuation came without decode steps
+
+
+@pytest.mark.parametrize("jump_forward", [True, False])
+def test_a_grammar_that_no_text_completes_fails_its_requests(engine32, jump_forward):
+    """No answer is an error, never an empty or partial text that finished with "stop"."""
+    tok, model = engine32.tokenizer, engine32.model
+    eng = LLMEngine(model, tok, EngineConfig(jump_forward=jump_forward))
+    p = tok.encode_prompt("Is this spam? Win money now!", SPAM_SYSTEM)
+    nothing = [Grammar.regex(r"[^\s\S]"), Grammar.regex(r"(spam|ham)[^\s\S]")]  # caught when compiled
+    dead_end = Grammar.lark('start: "spam" X\nX: /[^\\s\\S]/')  # caught only once "spam" is written
+    good = Grammar.choices(["spam", "ham"])
+    outs = eng.generate([p] * 4, [SamplingParams(max_tokens=8, temperature=0, grammar=g)
+                                  for g in nothing + [dead_end, good]])
+    for out in outs[:2]:
+        assert out.finish_reason == "error" and "regex cannot be satisfied" in out.error, out
+    assert outs[2].finish_reason == "error", outs[2]
+    assert "lark cannot be satisfied: nothing can follow 'spam'" in outs[2].error
+    assert outs[3].ok and outs[3].text in ("spam", "ham")
+    assert eng.pool.num_used == 0
+
+
+def test_scoring_a_choice_longer_than_the_kv_budget_fails_alone(tiny_model):
+    per_block = KVTensors.bytes_per_block(tiny_model.args, EngineConfig().block_size, torch.float32)
+    eng = engine(tiny_model, kv_cache_memory=6 * per_block, watermark=0.0)
+    long_choice = tuple(range(20, 40))  # the prompt fits in 6 blocks, prompt + choice does not
+    prompt = prompts(1, shared=0)[0][:8]
+    bad = eng.add_request(prompt, SamplingParams(max_tokens=1, temperature=0, score_choices=((5,), long_choice)))
+    ok = eng.add_request(prompt, SamplingParams(max_tokens=1, temperature=0, score_choices=((5,), (6, 7))))
+    finished = {}
+    for _ in range(50):  # bounded: a request that never finishes fails the test, not hangs it
+        finished.update((o.request_id, o) for o in eng.step())
+        if not eng.has_unfinished():
+            break
+    assert set(finished) == {bad, ok}
+    assert "raise kv_cache_memory" in finished[bad].error and finished[ok].ok
+    assert eng.pool.num_used == 0

@@ -27,6 +27,7 @@ def test_bodies_ask_for_structure_each_their_own_way(tmp_path):
         chat_line(3, rows[3], max_tokens=60, guided_json={"type": "object", "properties": {"a": {"type": "strin"}}}),
         chat_line(4, rows[4], max_tokens=60, response_format={"type": "json_object"}),
         chat_line(5, rows[5], response_format={"type": "json_schema"}),
+        chat_line(6, rows[0], guided_regex=r"(spam|ham)[^\s\S]"),  # nothing matches: an error, not ""
     ]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("\n".join(lines) + "\n")
@@ -38,9 +39,10 @@ def test_bodies_ask_for_structure_each_their_own_way(tmp_path):
     if "sms-4" in by_id:  # any JSON object (a small model may also ramble on until max_tokens)
         assert isinstance(json.loads(by_id["sms-4"]), dict)
     errors = {e["custom_id"]: e["error"]["message"] for e in map(json.loads, open(f"{out}.errors.jsonl"))}
-    assert set(errors) == {"sms-3", "sms-5"} | ({"sms-4"} if "sms-4" not in by_id else set())
+    assert set(errors) == {"sms-3", "sms-5", "sms-6"} | ({"sms-4"} if "sms-4" not in by_id else set())
     assert "strin" in errors["sms-3"] and "line 4" in errors["sms-3"]
     assert "json_schema" in errors["sms-5"] and "line 6" in errors["sms-5"]
+    assert "no text can match" in errors["sms-6"] and "line 7" in errors["sms-6"]
 
 
 @pytest.mark.slow
@@ -56,10 +58,21 @@ def test_choices_for_a_whole_table(tmp_path):
     assert len(table) == 8 and all(r["result"] in ("spam", "ham") for r in table)
 
 
-def test_bad_structured_flags_stop_before_any_work(tmp_path, capsys):
+def test_bad_structured_flags_stop_before_any_work(tmp_path, capsys, monkeypatch):
+    import batchprompt.jobs
+
+    def no_job(opts):
+        raise AssertionError("the job started (and loaded the model) despite a bad flag")
+
+    monkeypatch.setattr(batchprompt.jobs, "run_job", no_job)
     inp = tmp_path / "in.jsonl"
     inp.write_text('{"prompt": "hi"}\n')
     out = tmp_path / "o.jsonl"
+    for flags, message in ((["--regex", "(unclosed"], "unclosed group"), (["--regex", r"[^\s\S]"], "no text can match"),
+                           (["--json-schema", '{"type": "frobnicate"}'], "frobnicate")):
+        assert main(["run", str(inp), "-o", str(out)] + flags) == 2
+        err = capsys.readouterr().err
+        assert message in err and flags[0].lstrip("-").replace("-", "_") in err
     assert main(["run", str(inp), "-o", str(out), "--choices", "spam"]) == 2
     assert "at least two" in capsys.readouterr().err
     assert main(["run", str(inp), "-o", str(out), "--json-schema", str(tmp_path / "missing.json")]) == 2

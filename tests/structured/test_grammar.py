@@ -34,6 +34,8 @@ def test_grammar_constructors_check_their_input():
     (Grammar.regex("a(b"), "unclosed group"),
     (Grammar.json_schema({"type": "object", "properties": {"a": {"type": "strin"}}}), "strin"),
     (Grammar.lark("start: missing_rule"), "missing_rule"),
+    (Grammar.regex(r"[^\s\S]"), "the regex cannot be satisfied: no text the model can write matches it"),
+    (Grammar.regex(r"(spam|ham)[^\s\S]"), "the regex cannot be satisfied"),
 ])
 def test_rejected_grammars_raise_a_clear_error(compiler, grammar, message):
     with pytest.raises(GrammarError, match=message):
@@ -45,7 +47,7 @@ def test_rejected_grammars_raise_a_clear_error(compiler, grammar, message):
 def test_each_request_gets_its_own_matcher_state(compiler, engine32):
     g = Grammar.choices(["spam", "ham"])
     a, b = compiler.matcher(g), compiler.matcher(g)
-    for t in engine32.tokenizer.encode("ham"):
+    for t in engine32.tokenizer.encode("ham", add_special_tokens=False):
         assert a.consume_token(t)
     assert a.is_stopped() and not b.is_stopped()
 
@@ -69,7 +71,7 @@ def test_mask_allows_exactly_the_tokens_the_matcher_accepts(compiler, engine32):
 def test_choices_with_token_ids_walk_only_those_tokens(compiler, engine32):
     tok = engine32.tokenizer
     labels = ["spam", "ham", "hamper"]
-    ids = [tok.encode(c) for c in labels]
+    ids = [tok.encode(c, add_special_tokens=False) for c in labels]
     m = compiler.matcher(Grammar.choices(labels, ids))
     vocab = engine32.model.args.vocab_size
     first = allowed_tokens([m], vocab, torch.device("cpu"))[0].nonzero().squeeze(1).tolist()
@@ -87,5 +89,5 @@ def test_eos_is_allowed_only_once_the_grammar_accepts(compiler, engine32):
     m = compiler.matcher(Grammar.regex(r"[0-9]{1,3}"))
     vocab = engine32.model.args.vocab_size
     assert not allowed_tokens([m], vocab, torch.device("cpu"))[0, eos]
-    assert m.consume_token(tok.encode("7")[0])
+    assert m.consume_token(tok.encode("7", add_special_tokens=False)[0])
     assert allowed_tokens([m], vocab, torch.device("cpu"))[0, eos]

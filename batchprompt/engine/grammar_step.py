@@ -1,0 +1,45 @@
+"""A constrained request's grammar, moved past each token the engine samples for it."""
+from __future__ import annotations
+
+from ..structured.validate import is_no_match
+from .request import Request
+
+
+def advance_grammar(req: Request, token: int, jump_forward: bool, max_model_len: int,
+                    tokenizer, eos_token_ids: frozenset[int]) -> str | None:
+    """Move the request's grammar past `token`: 'stop' once the grammar is complete, 'error'
+    (the request finished with its message) when it cannot be, None to go on.
+
+    Jump-forward: where the grammar allows one continuation only (a JSON key, the rest of
+    a label), those tokens are appended at once and computed together in the next step,
+    like a piece of prompt, instead of one decode step each."""
+    m = req.matcher
+    # A matcher in error here hit a dead end while computing this step's mask (no text
+    # continues the output to a match) and let only EOS through: that EOS is no answer.
+    if m.is_error() or not m.consume_token(token):
+        req.finish("error", _failure(req, token, tokenizer, eos_token_ids))
+        return "error"
+    p = req.params
+    if jump_forward and not (m.is_stopped() or p.logprobs or p.stop or p.stop_token_ids):
+        room = min(p.max_tokens - len(req.output_token_ids), max_model_len - req.num_tokens)
+        forced = m.compute_ff_tokens()[:max(room, 0)]
+        if forced and m.consume_tokens(forced):
+            for t in forced:
+                req.append_token(t, None)
+    if not m.is_stopped():
+        return None
+    if m.is_accepting() and not m.is_error():
+        return "stop"
+    req.finish("error", _failure(req, token, tokenizer, eos_token_ids))
+    return "error"
+
+
+def _failure(req: Request, token: int, tokenizer, eos_token_ids: frozenset[int]) -> str:
+    kind = req.params.grammar.kind
+    reason = req.matcher.get_error().split("\n", 1)[0]
+    if reason and not is_no_match(reason):
+        return f"the grammar engine refused token {token}: {reason}"
+    ids = [t for t in req.output_token_ids if t not in eos_token_ids]
+    text = tokenizer.decode(ids) if ids else ""
+    where = f"nothing can follow {text[-60:]!r} in it" if text else "no text matches it"
+    return f"the {kind} cannot be satisfied: {where}; fix the {kind}"

@@ -1,0 +1,72 @@
+"""Checking a grammar before any work, without the model's tokenizer: llguidance's own
+validation, and a probe for grammars that no text can match (`[^\\s\\S]`)."""
+from __future__ import annotations
+
+import functools
+
+from .grammar import Grammar
+
+
+def grammar_problem(grammar: Grammar) -> str | None:
+    """Why llguidance cannot use `grammar`, in its words; None when it can. Each distinct
+    grammar is checked once (a batch job asks for the same one on every row)."""
+    return _problem(grammar)
+
+
+def dead_end(matcher) -> str | None:
+    """Why `matcher`, computing its next mask, finds that no text continues it to a match
+    (llguidance enters an error state and allows only EOS); None when something can follow."""
+    matcher.compute_bitmask()
+    if not matcher.is_error():
+        return None
+    reason = matcher.get_error().split("\n", 1)[0]
+    return None if matcher.is_accepting() else reason
+
+
+def is_no_match(reason: str) -> bool:
+    """llguidance's reason for a dead end where no byte can follow ('NoExtension...')."""
+    return reason.startswith("NoExtension")
+
+
+@functools.lru_cache(maxsize=256)
+def _problem(grammar: Grammar) -> str | None:
+    from llguidance import LLMatcher
+
+    try:
+        text = grammar.to_llguidance()
+    except ValueError as e:
+        return str(e)
+    # No tokenizer: token-level parts (<[id]>, special tokens) are warnings, not errors.
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(text, None)
+    if is_error:
+        return f"the grammar engine rejected it: {messages[0].strip()}"
+    if grammar.kind == "lark":  # may name tokens of the model's vocabulary: probed by the engine
+        return None
+    matcher = LLMatcher(_byte_tokenizer(), text, log_level=0)
+    if matcher.is_error():
+        return f"the grammar engine rejected it: {matcher.get_error().strip()}"
+    reason = dead_end(matcher)
+    if reason is None:
+        return None
+    if is_no_match(reason):  # every byte string is a token sequence here: nothing matches at all
+        return "no text can match it"
+    return f"the grammar engine stopped on it: {reason}"
+
+
+class _Bytes:
+    """A vocabulary of the 256 bytes and an end token: any text is a token sequence."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([b]) for b in range(256)] + [b"<eos>"]
+    special_token_ids = [256]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_tokenizer():
+    from llguidance import LLTokenizer, TokenizerWrapper
+
+    return LLTokenizer(TokenizerWrapper(_Bytes()))

@@ -1,0 +1,36 @@
+"""Grammars checked before any work, without the model's tokenizer (llguidance's validation
+and a probe on a vocabulary of bytes)."""
+from __future__ import annotations
+
+import pytest
+
+from batchprompt.structured import Grammar
+from batchprompt.structured.validate import grammar_problem
+
+
+@pytest.mark.parametrize("grammar, message", [
+    (Grammar.regex("(unclosed"), "unclosed group"),
+    (Grammar.json_schema('{"type": "frobnicate"}'), "Invalid type: frobnicate"),
+    (Grammar.json_schema({"type": "object", "properties": {"a": {"type": "string", "format": "colour"}}}),
+     "Unknown format: colour"),
+    (Grammar.lark("start: missing_rule"), "missing_rule"),
+    (Grammar.regex(r"[^\s\S]"), "no text can match it"),
+    (Grammar.regex(r"(spam|ham)[^\s\S]"), "no text can match it"),
+    (Grammar.json_schema({"type": "object", "properties": {"a": {"type": "string", "pattern": r"[^\s\S]"}},
+                          "required": ["a"]}), "unsatisfiable"),
+])
+def test_problems_are_found_without_a_tokenizer(grammar, message):
+    problem = grammar_problem(grammar)
+    assert problem is not None and message in problem
+    assert grammar_problem(grammar) == problem  # cached, same answer
+
+
+@pytest.mark.parametrize("grammar", [
+    Grammar.regex(r"(spam|ham) \([0-9]{1,2}%\)"),
+    Grammar.regex("a{0}"),  # matches only the empty text: an answer all the same
+    Grammar.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}),
+    Grammar.json_object(),
+    Grammar.lark('start: "yes" | "no" <[2]>'),  # token ids are the engine's to check, with its vocabulary
+])
+def test_usable_grammars_pass(grammar):
+    assert grammar_problem(grammar) is None
