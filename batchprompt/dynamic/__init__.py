@@ -1,7 +1,8 @@
 """Dynamic batching for any function: `bp.dynamically`."""
 from .decorator import DynamicFunction, dynamically
+from .errors import WorkerDied
 from .processor import BatchProcessor, BatchSizeMismatch, DeadlineExceeded, QueueFull
 from .stats import BatchStats
 
 __all__ = ["BatchProcessor", "BatchSizeMismatch", "BatchStats", "DeadlineExceeded", "DynamicFunction",
-           "QueueFull", "dynamically"]
+           "QueueFull", "WorkerDied", "dynamically"]

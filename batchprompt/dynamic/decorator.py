@@ -6,6 +6,7 @@
     embed("one text")                          # one item in, one result out
     embed.many(["a", "b", "c"])                # several
     await embed.acall("one text"); await embed.amany([...])
+    for vec in embed.imap(texts, max_in_flight=1024): ...   # a stream, in order, bounded memory
     embed.stats
 
 Works on plain and async functions and on methods (one processor per instance).
@@ -15,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import functools
 from asyncio import get_running_loop as _running_loop
-from typing import Any, Callable, Sequence
+from typing import Any, AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
 
+from . import stream
 from .processor import BatchProcessor, QueueFull
 from .stats import BatchStats
-from .tensors import TensorBatcher
+from .tensors import TensorBatcher, item_length
 from .waiter import Waiter
 
 
@@ -42,7 +44,7 @@ class DynamicFunction:
 
     def __call__(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
         p = self._processor or self.processor
-        if priority or timeout is not None or p.cost is not None:
+        if priority or timeout is not None or p._item_cost is not None:
             return self.many([item], priority=priority, timeout=timeout)[0]
         return p.call_one(item)
 
@@ -80,6 +82,17 @@ class DynamicFunction:
                 await asyncio.sleep(p.timeout or 0.001)  # never block the event loop on a lock
         return await p.await_group(group, start, stop, timeout)
 
+    def imap(self, items: Iterable, *, max_in_flight: int = 1024, priority: int = 0) -> Iterator:
+        """Results for `items` in input order, while later items are still queued; at most
+        `max_in_flight` items are taken from `items` and not yet yielded. An item's error is
+        raised at its turn and ends the iteration."""
+        return stream.imap(self.processor, items, max_in_flight, priority)
+
+    def aimap(self, items: Iterable | AsyncIterable, *, max_in_flight: int = 1024,
+              priority: int = 0) -> AsyncIterator:
+        """`imap` for asyncio: `async for result in f.aimap(items)`; `items` may be an async iterable."""
+        return stream.aimap(self.processor, items, max_in_flight, priority)
+
     @property
     def stats(self) -> BatchStats:
         return self.processor.stats
@@ -102,13 +115,18 @@ def _make_processor(fn: Callable, options: dict[str, Any]) -> BatchProcessor:
     tensors = opts.pop("tensors", False) or pad_token is not None
     if tensors:
         fn = TensorBatcher(fn, pad_token or {})
+        if opts.get("buckets") is not None and opts.get("length") is None:
+            opts["length"] = item_length  # the items' own lengths
     return BatchProcessor(fn, **opts)
 
 
 def dynamically(fn: Callable | None = None, /, *, batch_size: int = 32, timeout_ms: float = 5.0,
                 small_batch_threshold: int = 8, max_queue: int | None = None, block_when_full: bool = False,
                 cost: Callable[[Any], float] | None = None, max_batch_cost: float | None = None,
-                split_on_error: bool = True, tensors: bool = False, pad_token: dict | None = None):
+                split_on_error: bool = True, tensors: bool = False, pad_token: dict | None = None,
+                target_latency_ms: float | None = None, min_batch_size: int = 1,
+                length: Callable[[Any], float] | None = None, buckets: Sequence[float] | str | None = None,
+                workers: int | None = None, replicas: Sequence | Callable[[int], Any] | None = None):
     """Batch calls to `fn(items) -> results` across callers.
 
     A batch closes at `batch_size` items (or `max_batch_cost`, summing `cost(item)`), or
@@ -119,13 +137,22 @@ def dynamically(fn: Callable | None = None, /, *, batch_size: int = 32, timeout_
     may also put an exception in an item's slot. `tensors=True` or `pad_token={...}`: items are
     dicts of 1-D arrays/tensors, padded and stacked per key for `fn`, whose outputs are split
     back per item.
+
+    `target_latency_ms`: the batch size follows the function's measured time per batch, within
+    [min_batch_size, batch_size]. `length=` (a function of an item; the tensor variant has its own)
+    and `buckets=` (boundaries, or "auto"): items of similar length go together, and
+    `max_batch_cost` counts padded tokens. An out-of-memory error splits the batch and lowers the
+    batch size (raised again slowly). `workers=N`: N worker threads on one queue; `replicas=[...]`
+    (one per worker) or `replicas=factory` (called with the worker's index, on its thread): the
+    function gets its worker's replica as `replica=`. A function that raises WorkerDied has its
+    worker replaced and its batch run again once.
     """
     options = dict(batch_size=batch_size, timeout_ms=timeout_ms, small_batch_threshold=small_batch_threshold,
                    max_queue=max_queue, block_when_full=block_when_full, cost=cost,
                    max_batch_cost=max_batch_cost, split_on_error=split_on_error, tensors=tensors,
-                   pad_token=pad_token)
-    BatchProcessor(lambda items: items, **{k: v for k, v in options.items()
-                                           if k not in ("tensors", "pad_token")})  # validate now
+                   pad_token=pad_token, target_latency_ms=target_latency_ms, min_batch_size=min_batch_size,
+                   length=length, buckets=buckets, workers=workers, replicas=replicas)
+    _make_processor(lambda items: items, options)  # validate now
 
     def wrap(f: Callable) -> DynamicFunction:
         return DynamicFunction(f, options)

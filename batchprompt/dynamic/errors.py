@@ -11,3 +11,10 @@ class DeadlineExceeded(TimeoutError):
 
 class BatchSizeMismatch(ValueError):
     """The function returned a different number of results than it was given items."""
+
+
+class WorkerDied(Exception):
+    """Raised by the batched function to say that its worker (its replica: a lost GPU, a
+    crashed model server) can serve no more. The worker ends, a new one takes its place (with a
+    new replica from the factory), and the batch is run again once; an item whose batch kills a
+    worker a second time fails with this error."""

@@ -1,11 +1,14 @@
-"""BatchProcessor: items from any number of callers, grouped into batches on one worker thread.
+"""BatchProcessor: items from any number of callers, grouped into batches for one worker thread
+(or several, `workers=`/`replicas=`, on one shared queue).
 
 One implementation serves threads and asyncio alike. A call puts its items in a priority queue
 (`queue.py`) and waits: a thread on a lock, a coroutine on a Waiter (a minimal future) of its
-own loop (`groups.py`, `waiter.py`). The worker (`worker.py`) takes a batch when `batch_size`
-items (or `max_batch_cost`) are queued, or `timeout_ms` after the first of them arrived; it runs
-the function and hands each caller its results. Results for asyncio callers are handed over
-once per loop per batch, not once per item. This module holds the callers' side.
+own loop (`groups.py`, `waiter.py`). A worker (`worker.py`) takes a batch when `batch_size`
+items (or `max_batch_cost`; with `length=`, of one length bucket) are queued, or `timeout_ms`
+after the first of them arrived; it runs the function and hands each caller its results. Results
+for asyncio callers are handed over once per loop per batch, not once per item. The batch size
+moves with a latency target and after out-of-memory errors (`sizing.py`). This module holds the
+callers' side.
 """
 from __future__ import annotations
 
@@ -14,15 +17,17 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from .errors import BatchSizeMismatch, DeadlineExceeded, QueueFull
+from .errors import BatchSizeMismatch, DeadlineExceeded, QueueFull, WorkerDied
 from .groups import _Group, _LoopBuffer, new_lock
+from .lengths import bucket_function, checked_length
 from .queue import RunQueue
 from .results import Failure, unwrap, value
+from .sizing import BatchSizer
 from .stats import BatchStats, StatsRecorder
 from .waiter import Waiter, resolve
-from .worker import Worker
+from .worker import NEW_REPLICA, Worker, WorkerSlot
 
-__all__ = ["IDLE_EXIT_S", "BatchProcessor", "BatchSizeMismatch", "DeadlineExceeded", "QueueFull"]
+__all__ = ["IDLE_EXIT_S", "BatchProcessor", "BatchSizeMismatch", "DeadlineExceeded", "QueueFull", "WorkerDied"]
 
 # The worker thread ends after this many seconds without items (the next call starts another), so
 # that an idle batcher holds no thread, and a method's batcher does not keep its instance alive.
@@ -40,31 +45,43 @@ class BatchProcessor(RunQueue, Worker):
     def __init__(self, fn: Callable[[list], Sequence | Any], *, batch_size: int = 32, timeout_ms: float = 5.0,
                  small_batch_threshold: int = 8, max_queue: int | None = None, block_when_full: bool = False,
                  cost: Callable[[Any], float] | None = None, max_batch_cost: float | None = None,
-                 split_on_error: bool = True, name: str | None = None):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if timeout_ms < 0:
-            raise ValueError(f"timeout_ms must be >= 0, got {timeout_ms}")
-        if (cost is None) != (max_batch_cost is None):
-            raise ValueError("give cost= and max_batch_cost= together")
-        if max_queue is not None and max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+                 split_on_error: bool = True, target_latency_ms: float | None = None, min_batch_size: int = 1,
+                 length: Callable[[Any], float] | None = None, buckets: Sequence[float] | str | None = None,
+                 workers: int | None = None, replicas: Sequence | Callable[[int], Any] | None = None,
+                 name: str | None = None):
+        _check_options(batch_size, timeout_ms, max_queue, cost, max_batch_cost, target_latency_ms, min_batch_size,
+                       length, buckets)
         self.fn = fn
-        self.batch_size, self.timeout = batch_size, timeout_ms / 1000
+        self.timeout = timeout_ms / 1000
         self.small_batch_threshold = small_batch_threshold
         self.max_queue, self.block_when_full = max_queue, block_when_full
         self.cost, self.max_batch_cost = cost, max_batch_cost
+        # `length`: each item's length in tokens (its own run, its bucket, padded-token budgets)
+        self.length = None if length is None else checked_length(length)
+        self._bucket_of = bucket_function(buckets)
+        self._item_cost = cost or self.length  # one run per item, so that batches can be cut at any item
         self.split_on_error = split_on_error
         self.name = name or getattr(fn, "__qualname__", "function")
+        # `batch_size`: the size batches are cut at now, read on the callers' hot path; the sizer
+        # moves it within [min_batch_size, max_batch_size].
+        self.max_batch_size = batch_size
+        self._sizer = BatchSizer(batch_size, min_batch_size, None if target_latency_ms is None
+                                 else target_latency_ms / 1000)
+        self.batch_size = self._sizer.limit
+        self.clock = time.perf_counter  # times the function, for the batch size and the stats
+        self.replicas = replicas  # passed to the function as `replica=` when given
+        self._slots = _worker_slots(workers, replicas)
+        self.workers = len(self._slots)
+        self._replica_factory = replicas if callable(replicas) else None
         lock = self._lock = new_lock()
-        self._cond = threading.Condition(lock)  # the worker waits here for items
+        self._cond = threading.Condition(lock)  # the workers wait here for items
         self._room = threading.Condition(lock)  # callers wait here for queue room (block_when_full)
+        self._results_lock = new_lock()  # workers fill the result slots of groups they may share
         self._init_queue()
         self._stats = StatsRecorder()
-        self._worker: threading.Thread | None = None
+        self._worker: threading.Thread | None = None  # set while every slot has a worker thread
         self._buffers: dict[asyncio.AbstractEventLoop, _LoopBuffer] = {}
-        self._idle = False  # the worker waits for a first item (and must be woken for it)
-        self._loop: asyncio.AbstractEventLoop | None = None  # the worker's own, for async functions
+        self._idle = 0  # workers that wait for a first item (and must be woken for it)
 
     @property
     def idle_exit_s(self) -> float:
@@ -83,11 +100,12 @@ class BatchProcessor(RunQueue, Worker):
         now = time.monotonic()
         deadline = now + timeout if timeout is not None else None
         small = 0 if n <= self.small_batch_threshold else 1
-        if self.cost is None:
-            runs = [(list(items), group, 0, n, deadline, now)]
+        cost = self._item_cost
+        if cost is None:
+            self._push([(list(items), group, 0, n, deadline, now)], priority, small)
         else:  # one run per item, so that batches can be cut at any item
-            runs = [([item], group, pos, self.cost(item), deadline, now) for pos, item in enumerate(items)]
-        self._push(runs, priority, small)
+            self._push_items([(priority, small, ([item], group, pos, cost(item), deadline, now))
+                              for pos, item in enumerate(items)], n, True)
         return group
 
     def call_one(self, item: Any) -> Any:
@@ -100,9 +118,9 @@ class BatchProcessor(RunQueue, Worker):
                 self._wait_for_room(1)
             if self._worker is None:  # first, so that a worker that cannot start leaves nothing queued
                 self._start_worker()
-            q = self._queues.get((0, 0))
+            q = self._queues.get((0, 0, 0))
             if q is None:
-                q = self._queue((0, 0))
+                q = self._queue((0, 0, 0))
             q.append(([item], group, 0, 1, None, now))
             size = self._size = self._size + 1
             if size == 1:
@@ -170,7 +188,7 @@ class BatchProcessor(RunQueue, Worker):
         group.results = [None] * n
         group.remaining = n
         now = time.monotonic()
-        cost = self.cost
+        cost = self._item_cost
         try:
             if not buf.flags and cost is None:  # the common case: one run for the whole turn
                 self._push([(items, group, 0, n, None, now)], 0, 0)
@@ -180,8 +198,12 @@ class BatchProcessor(RunQueue, Worker):
             for start, k, priority, deadline in meta:
                 prios[start:start + k] = [priority] * k
                 deadlines[start:start + k] = [deadline] * k
-            for pos, item in enumerate(items):  # rare: priorities, deadlines or costs, item by item
-                self._push([([item], group, pos, cost(item) if cost else 1, deadlines[pos], now)], prios[pos], 0)
+            if cost is not None:  # one run per item, so that batches can be cut at any item
+                self._push_items([(prios[pos], 0, ([item], group, pos, cost(item), deadlines[pos], now))
+                                  for pos, item in enumerate(items)], n, False)
+                return
+            for pos, item in enumerate(items):  # rare: priorities or deadlines, item by item
+                self._push([([item], group, pos, 1, deadlines[pos], now)], prios[pos], 0)
         except BaseException as e:  # noqa: BLE001 - e.g. no worker thread could start: the group's
             group.results = [Failure(e)] * n  # callers (several tasks) get the error, not a wait
             buf.loop.call_soon(resolve, [group])
@@ -196,4 +218,52 @@ class BatchProcessor(RunQueue, Worker):
 
     @property
     def stats(self) -> BatchStats:
-        return self._stats.snapshot(self._size)
+        return self._stats.snapshot(self._size, self.batch_size, self._sizer.ooms)
+
+
+def _check_options(batch_size, timeout_ms, max_queue, cost, max_batch_cost, target_latency_ms, min_batch_size,
+                   length, buckets) -> None:
+    """A ValueError naming the option and the fix."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if timeout_ms < 0:
+        raise ValueError(f"timeout_ms must be >= 0, got {timeout_ms}")
+    if cost is not None and max_batch_cost is None:
+        raise ValueError("give cost= and max_batch_cost= together")
+    if max_batch_cost is not None and cost is None and length is None:
+        raise ValueError("give cost= and max_batch_cost= together (or length= with max_batch_cost=, for a "
+                         "budget of padded tokens)")
+    if cost is not None and length is not None:
+        raise ValueError("give cost= or length=, not both: with length=, max_batch_cost counts padded tokens "
+                         "(batch size x longest length)")
+    if max_queue is not None and max_queue < 1:
+        raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+    if target_latency_ms is not None and not target_latency_ms > 0:
+        raise ValueError(f"target_latency_ms must be > 0, got {target_latency_ms}")
+    if not 1 <= min_batch_size <= batch_size:
+        raise ValueError(f"min_batch_size must be between 1 and batch_size={batch_size}, got {min_batch_size}")
+    if buckets is not None and length is None:
+        raise ValueError("buckets= groups items by length: give length= too (a function of an item, e.g. "
+                         "length=len), or use the tensor variant (pad_token= or tensors=True), whose items have "
+                         "their own lengths")
+    bucket_function(buckets)  # checks the boundaries
+
+
+def _worker_slots(workers: int | None, replicas) -> list[WorkerSlot]:
+    """One slot per worker, with its replica: from the list, made by the factory when the worker
+    starts (NEW_REPLICA), or none."""
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+    if replicas is None:
+        return [WorkerSlot(i) for i in range(workers or 1)]
+    if isinstance(replicas, (list, tuple)):
+        if not replicas:
+            raise ValueError("replicas=[] holds no replica: give one per worker, e.g. replicas=['cuda:0', 'cuda:1']")
+        if workers is not None and workers != len(replicas):
+            raise ValueError(f"workers={workers} but {len(replicas)} replicas: one worker runs per replica; "
+                             f"leave out workers=")
+        return [WorkerSlot(i, r) for i, r in enumerate(replicas)]
+    if callable(replicas):
+        return [WorkerSlot(i, NEW_REPLICA) for i in range(workers or 1)]
+    raise ValueError(f"replicas= takes a list (one replica per worker) or a factory called with the worker's "
+                     f"index, got {type(replicas).__name__}")

@@ -53,10 +53,15 @@ class TensorBatcher:
         self.fn, self.pad_token = fn, pad_token
         self.__qualname__ = getattr(fn, "__qualname__", "function")
 
-    def __call__(self, items: list[dict[str, Any]]):
-        out = self.fn(pad_stack(items, self.pad_token))
+    def __call__(self, items: list[dict[str, Any]], **replica):
+        out = self.fn(pad_stack(items, self.pad_token), **replica)
         if inspect.isawaitable(out):
             async def finish():
                 return split(await out, len(items))
             return finish()
         return split(out, len(items))
+
+
+def item_length(item: dict[str, Any]) -> int:
+    """The tensor variant's own length of an item: its longest value (the dimension padded)."""
+    return max((len(v) if getattr(v, "ndim", 1) else 1) for v in item.values())

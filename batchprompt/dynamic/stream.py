@@ -1,0 +1,108 @@
+"""Streaming an iterable through a batcher: `f.imap(items)` and `f.aimap(items)` yield results in
+input order while later items are still queued, and never hold more than `max_in_flight` items
+taken from the iterable and not yet yielded, so an iterable of millions streams in bounded memory.
+
+Items are queued in chunks (one group each); the oldest chunk's results are yielded as soon as
+it is done. An item's error is raised when its turn comes, and ends the iteration (as `map`).
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from itertools import islice
+from typing import Any, AsyncIterable, AsyncIterator, Iterable, Iterator
+
+from .errors import QueueFull
+from .results import value
+from .waiter import Waiter
+
+
+def chunk_size(processor, max_in_flight: int) -> int:
+    """Big enough to fill batches, small enough that a few chunks are in flight at once."""
+    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
+    return max(1, min(processor.max_batch_size, max_in_flight // 4))
+
+
+def imap(processor, items: Iterable, max_in_flight: int, priority: int) -> Iterator:
+    chunk = chunk_size(processor, max_in_flight)
+    source = iter(items)
+    pending: deque = deque()  # groups, oldest first
+    in_flight = 0  # items taken from `source` and not yet yielded
+    exhausted = False
+    while True:
+        while not exhausted and in_flight < max_in_flight:
+            part = list(islice(source, min(chunk, max_in_flight - in_flight)))
+            if not part:
+                exhausted = True
+                break
+            pending.append(processor.submit(part, priority))
+            in_flight += len(part)
+        if not pending:
+            return
+        group = pending.popleft()
+        group.wait()
+        results = group.results
+        in_flight -= len(results)
+        for r in results:
+            yield value(r)
+
+
+async def aimap(processor, items: Iterable | AsyncIterable, max_in_flight: int, priority: int) -> AsyncIterator:
+    chunk = chunk_size(processor, max_in_flight)
+    loop = asyncio.get_running_loop()
+    take = _async_taker(items)
+    pending: deque = deque()  # (group, start, stop), oldest first
+    in_flight = 0
+    exhausted = False
+    while True:
+        while not exhausted and in_flight < max_in_flight:
+            part = await take(min(chunk, max_in_flight - in_flight))
+            if not part:
+                exhausted = True
+                break
+            pending.append(await _submit(processor, part, loop, priority))
+            in_flight += len(part)
+        if not pending:
+            return
+        group, start, stop = pending.popleft()
+        waiter = Waiter(group, start, stop)
+        try:
+            await waiter
+        except BaseException:
+            if waiter.is_cancelled or not group.resolved:  # this task was cancelled: not an item's error
+                raise
+        in_flight -= stop - start
+        for r in group.results[start:stop]:
+            yield value(r)
+
+
+async def _submit(processor, part: list, loop: asyncio.AbstractEventLoop, priority: int) -> tuple:
+    while True:
+        try:
+            return processor.submit_async(part, loop, priority, None)
+        except QueueFull:
+            if not processor.block_when_full:
+                raise
+            await asyncio.sleep(processor.timeout or 0.001)  # never block the event loop on a lock
+
+
+def _async_taker(items: Iterable | AsyncIterable):
+    """`take(n)`: up to n next items, from a plain or an async iterable."""
+    if hasattr(items, "__aiter__"):
+        source = items.__aiter__()
+
+        async def take(n: int) -> list[Any]:
+            part = []
+            for _ in range(n):
+                try:
+                    part.append(await source.__anext__())
+                except StopAsyncIteration:
+                    break
+            return part
+    else:
+        plain = iter(items)
+
+        async def take(n: int) -> list[Any]:
+            return list(islice(plain, n))
+    return take

@@ -1,0 +1,133 @@
+"""bp.dynamically: imap / aimap stream an iterable in input order, with bounded memory."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+import batchprompt as bp
+
+from .helpers import LIMIT_S, Recorder, in_function, outcome, wait_until
+
+
+class Source:
+    """An iterable that counts the items taken from it."""
+
+    def __init__(self, n: int):
+        self.n, self.taken = n, 0
+
+    def __iter__(self):
+        for i in range(self.n):
+            self.taken += 1
+            yield i
+
+
+def test_imap_yields_in_order_and_never_holds_more_than_max_in_flight():
+    f = bp.dynamically(batch_size=16, timeout_ms=1)(lambda items: [x * 2 for x in items])
+    source = Source(5000)
+    held = []
+
+    def consume():
+        out = []
+        for i, r in enumerate(f.imap(source, max_in_flight=100)):
+            held.append(source.taken - i)  # taken from the iterable and not yet yielded (this one included)
+            out.append(r)
+        return out
+
+    assert outcome(consume) == [2 * i for i in range(5000)]
+    assert max(held) <= 100 and max(held) > 25  # bounded, and several chunks were in flight at once
+
+
+def test_imap_stops_taking_items_while_max_in_flight_wait_for_results():
+    rec = Recorder(hold_first=True)
+    f = bp.dynamically(batch_size=8, timeout_ms=1)(rec)
+    source = Source(1000)
+    out = []
+    t = threading.Thread(target=lambda: out.extend(f.imap(source, max_in_flight=40)))
+    t.start()
+    assert rec.started.wait(LIMIT_S)
+    wait_until(lambda: source.taken == 40 and in_function(t, "wait"), "imap waits with 40 items in flight")
+    assert source.taken == 40 and out == []
+    rec.release.set()
+    t.join(LIMIT_S)
+    assert out == [10 * i for i in range(1000)]
+
+
+def test_imap_results_stay_in_order_when_a_later_batch_finishes_first():
+    later_done = threading.Event()
+
+    @bp.dynamically(batch_size=4, timeout_ms=1, workers=2)
+    def slow_first(items):
+        if 0 in items:
+            assert later_done.wait(LIMIT_S)  # the first batch finishes after a later one
+        else:
+            later_done.set()
+        return [x + 1 for x in items]
+
+    assert outcome(lambda: list(slow_first.imap(range(40), max_in_flight=16))) == list(range(1, 41))
+
+
+def test_imap_raises_an_items_error_at_its_turn():
+    @bp.dynamically(batch_size=4, timeout_ms=1)
+    def inverse(items):
+        return [ZeroDivisionError("zero") if x == 0 else 1 / x for x in items]
+
+    got = []
+
+    def consume():
+        for r in inverse.imap([1, 2, 0, 4]):
+            got.append(r)
+
+    assert isinstance(outcome(consume), ZeroDivisionError) and got == [1, 0.5]
+
+
+def test_aimap_streams_plain_and_async_iterables_in_order_with_bounded_memory():
+    f = bp.dynamically(batch_size=16, timeout_ms=1)(lambda items: [x * 3 for x in items])
+    taken = 0
+    held = []
+
+    async def numbers():
+        nonlocal taken
+        for i in range(3000):
+            taken += 1
+            yield i
+
+    async def main():
+        plain = [r async for r in f.aimap(range(500), max_in_flight=64)]
+        out = []
+        async for r in f.aimap(numbers(), max_in_flight=64):
+            held.append(taken - len(out))
+            out.append(r)
+        return plain, out
+
+    plain, out = outcome(lambda: asyncio.run(main()))
+    assert plain == [3 * i for i in range(500)] and out == [3 * i for i in range(3000)]
+    assert max(held) <= 64
+
+
+def test_aimap_raises_an_items_error_at_its_turn_and_can_be_cancelled():
+    rec = Recorder(hold_first=True)
+    f = bp.dynamically(batch_size=4, timeout_ms=1)(lambda items: [KeyError(x) if x == 2 else x for x in items])
+    g = bp.dynamically(batch_size=4, timeout_ms=1)(rec)
+
+    async def main():
+        got = []
+        with pytest.raises(KeyError):
+            async for r in f.aimap([0, 1, 2, 3]):
+                got.append(r)
+        consumer = asyncio.create_task(anext(g.aimap(range(10))))
+        await asyncio.to_thread(rec.started.wait, LIMIT_S)
+        consumer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await consumer
+        rec.release.set()
+        return got
+
+    assert outcome(lambda: asyncio.run(main())) == [0, 1]
+
+
+def test_max_in_flight_is_checked():
+    f = bp.dynamically()(lambda items: items)
+    with pytest.raises(ValueError, match="max_in_flight must be an int >= 1"):
+        next(f.imap([1], max_in_flight=0))
