@@ -1,9 +1,8 @@
 """create_app: the FastAPI app of `batchprompt serve`.
 
 Routes live in routes_*.py, one file per family, each an APIRouter included here: the health
-routes, OpenAI's completions and chat, and the batch endpoints. New families (the file-based
-Batch API) add a router of their own. Middleware, outermost first: metrics, the API key (every
-/v1 route), the body size limit."""
+routes, OpenAI's completions and chat, the batch endpoints, and OpenAI's Files and Batch API.
+Middleware, outermost first: metrics, the API key (every /v1 route), the body size limit."""
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +10,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from . import routes_batch, routes_health, routes_openai
+from . import routes_batch, routes_batch_api, routes_files, routes_health, routes_openai
 from .config import ServerConfig
 from .errors import install_handlers
 from .metrics import Metrics
@@ -27,6 +26,7 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
     async def lifespan(app: FastAPI):
         state.loop = asyncio.get_running_loop()
         state.load()  # blocking: nothing is served before the model is there
+        await state.batch_api.start()  # batches left unfinished by an earlier run resume
         try:
             yield
         finally:
@@ -36,11 +36,11 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
     app = FastAPI(title="batchprompt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     app.state.metrics = metrics = Metrics(state)
-    for module in (routes_health, routes_openai, routes_batch):
+    for module in (routes_health, routes_openai, routes_batch, routes_files, routes_batch_api):
         app.include_router(module.router)
     install_handlers(app)
     # add_middleware wraps what is there: the last added runs first.
-    app.add_middleware(LimitBody, limit=config.max_body_bytes)
+    app.add_middleware(LimitBody, limit=config.max_body_bytes, uploads={"/v1/files": config.max_file_bytes})
     app.add_middleware(RequireApiKey, api_key=config.api_key)
     app.add_middleware(RecordMetrics, metrics=metrics)
     return app

@@ -12,7 +12,8 @@ import sys
 
 SERVE_HELP = """\
 Serve the model over HTTP, OpenAI-compatible: /v1/models, /v1/completions, /v1/chat/completions
-(stream: true for server-sent events), and the batch endpoints /v1/batch/sync, /v1/batch/async,
+(stream: true for server-sent events), OpenAI's Batch API (/v1/files, /v1/batches: durable, kept
+in --data-dir, resumed after a restart), and the batch endpoints /v1/batch/sync, /v1/batch/async,
 /v1/batch/{id}, /v1/batch/stats. /health, /ready and /metrics (Prometheus) need no key.
 
 Every request, and every in-process caller of the same model, is batched by one engine.
@@ -31,7 +32,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .config import DEFAULT_BATCH_RETENTION_S, DEFAULT_MAX_BATCHES, DEFAULT_MAX_BODY_BYTES
+    from .config import DEFAULT_BATCH_RETENTION_S, DEFAULT_MAX_BATCHES, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_FILE_BYTES
 
     p.add_argument("--model", default=None,
                    help="a .gguf file, a local Hugging Face directory, a hub id (default: the embedded SmolLM2-135M)")
@@ -39,7 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require Authorization: Bearer KEY on /v1 routes (default: $BATCHPROMPT_API_KEY, if set)")
-    p.add_argument("--data-dir", default=None, metavar="DIR", help="directory for the server's files (reserved for the file-based Batch API)")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="where the Batch API keeps its files, batches and journals, across restarts (default "
+                        "$XDG_DATA_HOME/batchprompt/server, i.e. ~/.local/share/batchprompt/server); one server "
+                        "per directory")
+    p.add_argument("--max-file-bytes", type=int, default=DEFAULT_MAX_FILE_BYTES, metavar="N",
+                   help=f"refuse Batch API uploads larger than this with 413 (default {DEFAULT_MAX_FILE_BYTES:,})")
     p.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
                    help="engine: sequences run at once (default 512)")
     p.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES",
@@ -71,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
                               api_key=args.api_key or os.environ.get("BATCHPROMPT_API_KEY") or None,
                               data_dir=args.data_dir, engine_options=engine_options,
                               max_body_bytes=args.max_body_bytes, batch_retention_s=args.batch_retention,
-                              max_batches=args.max_batches)
+                              max_batches=args.max_batches, max_file_bytes=args.max_file_bytes)
         return serve(config, args.log_level)
     except (ValueError, ModelNotFoundError) as e:
         return _fail(str(e))

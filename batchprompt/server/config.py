@@ -10,6 +10,8 @@ DEFAULT_MAX_BODY_BYTES = 32 * 2**20
 DEFAULT_BATCH_RETENTION_S = 3600.0
 #: ... and at most this many batches are kept at all (running and finished).
 DEFAULT_MAX_BATCHES = 1000
+#: Batch API uploads (POST /v1/files) above this are refused with 413 (OpenAI's limit).
+DEFAULT_MAX_FILE_BYTES = 200 * 2**20
 
 
 @dataclass(frozen=True)
@@ -18,11 +20,12 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    data_dir: str | None = None  # reserved for the file-based Batch API's files (nothing uses it yet)
+    data_dir: str | None = None  # the Batch API's files and batches; None: data_dir.default_data_dir()
     engine_options: dict = field(default_factory=dict)  # EngineConfig fields (max_num_seqs, ...)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     batch_retention_s: float = DEFAULT_BATCH_RETENTION_S
     max_batches: int = DEFAULT_MAX_BATCHES
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     # Webhooks of async batches: attempts, the first wait between them (doubling), per-attempt timeout.
     webhook_attempts: int = 5
     webhook_backoff_s: float = 1.0
@@ -33,6 +36,7 @@ class ServerConfig:
         _check(self.max_body_bytes >= 1024, f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
         _check(self.batch_retention_s > 0, f"--batch-retention must be > 0 seconds, got {self.batch_retention_s}")
         _check(self.max_batches >= 1, f"--max-batches must be >= 1, got {self.max_batches}")
+        _check(self.max_file_bytes >= 1024, f"--max-file-bytes must be at least 1024, got {self.max_file_bytes}")
         _check(self.api_key is None or self.api_key.strip() != "", "--api-key (or $BATCHPROMPT_API_KEY) must not be blank")
         _check(self.webhook_attempts >= 1, "webhook_attempts must be >= 1")
 

@@ -11,6 +11,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from ..jobs.storage import StorageError
+
 log = logging.getLogger("batchprompt")
 
 #: OpenAI's error types: "invalid_request_error" for every 4xx but these (its SDK picks the
@@ -48,6 +50,12 @@ def install_handlers(app: FastAPI) -> None:
             return error_response(405, f"{request.method} is not allowed on {request.url.path}",
                                   "method_not_allowed", headers=e.headers)
         return error_response(e.status_code, str(e.detail), None, headers=e.headers)
+
+    @app.exception_handler(StorageError)
+    async def _storage_error(request: Request, e: StorageError) -> JSONResponse:
+        # A full disk under --data-dir: the request's change is rolled back; what was kept stays.
+        log.error("%s %s: %s", request.method, request.url.path, e)
+        return error_response(507, f"the server cannot store this: {e}", "storage_error")
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:

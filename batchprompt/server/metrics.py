@@ -3,7 +3,8 @@ two apps in a process, or the tests, never share counts).
 
 HTTP: requests by route, method and status; latency by route. Engine (read from its stats at
 each scrape, between two steps): requests running and waiting, tokens, prefix-cache hit rate,
-KV-cache use; and the server's own in-flight prompts and cancelled requests."""
+KV-cache use; and the server's own in-flight prompts, cancelled requests and running Batch API
+batches."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -53,6 +54,9 @@ class _EngineCollector:
         yield _gauge("batchprompt_server_prompts_pending",
                      "Prompts of in-flight HTTP requests not answered yet (queued or running)",
                      state.prompts_pending())
+        yield _gauge("batchprompt_batch_api_batches_running",
+                     "Batch API batches being run (validating, in progress, finalizing or cancelling)",
+                     state.batch_api.running())
         cancelled = CounterMetricFamily("batchprompt_server_requests_cancelled",
                                         "Requests cancelled before they finished, by reason", labels=["reason"])
         for reason in ("client_disconnected", "shutdown"):

@@ -73,20 +73,26 @@ def _is_api(path: str) -> bool:
     return path == "/v1" or path.startswith("/v1/")
 
 
+UPLOAD_FRAMING_BYTES = 64 * 1024  # room for an upload's multipart framing beside the file
+
+
 class LimitBody:
     """Refuse bodies above `limit` bytes with 413: at once from Content-Length, or while the
-    body is read (a chunked upload), from the route's read of it."""
+    body is read (a chunked upload), from the route's read of it. `uploads`: paths that take
+    POSTed files, with the largest file each takes (the route checks the file itself)."""
 
-    def __init__(self, app: ASGIApp, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app: ASGIApp, limit: int, uploads: dict[str, int] | None = None):
+        self.app, self.limit, self.uploads = app, limit, uploads or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        file_limit = self.uploads.get(scope["path"]) if scope["method"] == "POST" else None
+        limit = self.limit if file_limit is None else file_limit + UPLOAD_FRAMING_BYTES
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await _send_error(send, 413, self._message(int(declared)), "request_too_large")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await _send_error(send, 413, self._message(int(declared), limit), "request_too_large")
             return
         seen = 0
 
@@ -95,12 +101,16 @@ class LimitBody:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise ApiError(413, self._message(seen, more=True), "request_too_large")
+                if seen > limit:
+                    raise ApiError(413, self._message(seen, limit, more=True), "request_too_large")
             return message
 
         await self.app(scope, counted, send)
 
-    def _message(self, size: int, more: bool = False) -> str:
+    def _message(self, size: int, limit: int, more: bool = False) -> str:
+        if limit != self.limit:
+            return (f"the upload is {'more than ' if more else ''}{size:,} bytes; this server takes files of at most "
+                    f"{limit - UPLOAD_FRAMING_BYTES:,} bytes (its --max-file-bytes): split the requests into "
+                    f"several batches")
         return (f"the body is {'more than ' if more else ''}{size:,} bytes; this server takes at most "
-                f"{self.limit:,} (its --max-body-bytes): send fewer prompts per request")
+                f"{limit:,} (its --max-body-bytes): send fewer prompts per request")

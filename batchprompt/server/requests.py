@@ -67,13 +67,7 @@ def plan_chat(body: dict, tokenizer, max_model_len: int) -> Plan:
 
 
 def plan_completion(body: dict, tokenizer, max_model_len: int) -> Plan:
-    body = dict(body)
-    logprobs = body.get("logprobs")
-    if logprobs is not None:
-        if logprobs != 0:
-            raise ApiError(400, f"logprobs {logprobs}: {_ALTERNATIVES}; send logprobs 0 to get them",
-                           "unsupported_parameter", "logprobs")
-        body["logprobs"] = True  # a completion's logprobs is a count; 0 asks for the chosen tokens'
+    body = _completion_logprobs(body)
     refuse_unsupported(body)
     rid = uuid.uuid4().hex
     prompts = _prompts(body.get("prompt"))
@@ -89,6 +83,31 @@ def plan_completion(body: dict, tokenizer, max_model_len: int) -> Plan:
         rows.append(row)
         all_ids.append(_checked(ids, max_model_len, what))
     return Plan(rid, rows, n, _choices(all_ids, params, n, spec), _token_text(tokenizer))
+
+
+def plan_row(row: Row, tokenizer, max_model_len: int) -> list[Prepared]:
+    """A Batch API request's prepared choices (indices 0 to n-1), planned as its endpoint
+    plans the same body, with the same defaults; ApiError says why it cannot run."""
+    if row.url == COMPLETION:
+        row = replace(row, body=_completion_logprobs(row.body))
+    refuse_unsupported(row.body)
+    # Unset max_tokens: as the endpoints (chat: the rest of the context; completions: 16).
+    opts = JobOptions(input="-", output="-", max_tokens=max_model_len if row.url == CHAT else COMPLETION_MAX_TOKENS,
+                      temperature=TEMPERATURE)
+    params, n, spec = _params(row, opts, tokenizer)
+    ids = _checked(_render(row, tokenizer), max_model_len, "the prompt")
+    return _choices([ids], params, n, spec)
+
+
+def _completion_logprobs(body: dict) -> dict:
+    """A completion's logprobs is a count; 0 asks for the chosen tokens' (all we compute)."""
+    logprobs = body.get("logprobs")
+    if logprobs is None:
+        return body
+    if isinstance(logprobs, bool) or logprobs != 0:  # a bool is not a count
+        raise ApiError(400, f"logprobs {logprobs}: {_ALTERNATIVES}; send logprobs 0 to get them",
+                       "unsupported_parameter", "logprobs")
+    return {**body, "logprobs": True}
 
 
 def refuse_unsupported(body: dict) -> None:

@@ -121,6 +121,7 @@ async def batch_stats(request: Request) -> dict:
               "kv_cache_usage": s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0}
     server = {"requests_in_flight": state.requests_in_flight(), "prompts_pending": state.prompts_pending(),
               "async_batches_running": state.batches.running(), "async_batches_kept": len(state.batches),
+              "batch_api_batches_running": state.batch_api.running(),
               "requests_cancelled": dict(state.cancelled)}
     return {"model": state.model_id, "engine": engine, "server": server}
 

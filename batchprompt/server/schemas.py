@@ -86,3 +86,27 @@ async def read_json(request: Request, schema: Type[BaseModel]) -> dict[str, Any]
     except ValidationError as e:
         raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
     return obj
+
+
+class BatchCreate(_Body):
+    """POST /v1/batches (OpenAI's fields; output_expires_after is taken and ignored)."""
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = None
+
+
+def query_int(request: Request, name: str, default: int, low: int, high: int) -> int:
+    """A whole-number query parameter from `low` to `high` (400 naming it otherwise)."""
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or not low <= value <= high:
+        raise ApiError(400, f"{name} must be a whole number from {low} to {high}, got {raw!r}", "invalid_parameter",
+                       name)
+    return value

@@ -22,6 +22,7 @@ from ..api.service import EngineService, get_service
 from ..engine import EngineStats
 from ..models import resolve_model
 from ..models.loader import EMBEDDED_NAMES
+from .batch_api import BatchApi
 from .batches import BatchStore, Webhooks
 from .config import ServerConfig
 from .errors import ApiError
@@ -51,6 +52,8 @@ class ServerState:
         self._active: set[Batch] = set()  # batches of requests being answered (not async batches)
         self.batches = BatchStore(config.batch_retention_s, config.max_batches)
         self.webhooks = Webhooks(config.webhook_attempts, config.webhook_backoff_s, config.webhook_timeout_s)
+        # Last: it locks --data-dir (a second server on it stops here, before loading the model).
+        self.batch_api = BatchApi(config, self)
 
     # ---- the model ---------------------------------------------------------------------------
     def load(self) -> None:
@@ -150,7 +153,8 @@ def _cancel_all(batches: list[Batch]) -> None:
 
 
 async def close(state: ServerState) -> None:
-    """At the app's end: cancel what is in flight, async batches and their webhooks included."""
+    """At the app's end: cancel what is in flight, async batches and their webhooks included;
+    stop the Batch API's batches (their finished requests are committed: they resume next start)."""
     pending = state.begin_shutdown()
     tasks = [job.task for job in state.batches.all() if job.task is not None and not job.task.done()]
     for task in tasks:  # an async batch's task cancels its batch as it goes
@@ -159,3 +163,4 @@ async def close(state: ServerState) -> None:
     if waits:
         await asyncio.wait(waits, timeout=30)
     await state.webhooks.close()
+    await state.batch_api.close()

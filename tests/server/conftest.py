@@ -1,5 +1,6 @@
 """A real server process per test module: `python -m batchprompt.server` on 127.0.0.1 and a
-free port, the embedded model, waited for (bounded) through /ready, stopped at the end."""
+free port, the embedded model, waited for (bounded) through /ready, stopped at the end. Its
+--data-dir is in the test's temp directory unless the test gives one."""
 from __future__ import annotations
 
 import json
@@ -70,6 +71,8 @@ def start_server(tmp_path: Path, *args: str, api_key: str | None = None) -> Serv
     port = free_port()
     log = tmp_path / "server.log"
     cmd = [sys.executable, "-m", "batchprompt.server", "--port", str(port), "--host", "127.0.0.1", *args]
+    if "--data-dir" not in args:
+        cmd += ["--data-dir", str(tmp_path / "data")]
     if api_key:
         cmd += ["--api-key", api_key]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}

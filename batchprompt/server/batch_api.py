@@ -1,0 +1,233 @@
+"""BatchApi: OpenAI's Files and Batches over the server's data directory.
+
+Records (files, batches) are in SQLite under --data-dir and survive the process; each batch
+that has not ended has a job (batch_job.py) running it through the process's one engine. When
+the server starts, the batches it left unfinished (killed, or stopped) resume from their
+journals. One thread does every journal write, so that no commit's fsync holds the event loop."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..jobs.storage import StorageError
+from . import batch_files
+from .batch_input import ENDPOINTS
+from .batch_job import BatchJob, Counts
+from .batch_store import FINAL, Store, UnknownCursor
+from .data_dir import DataDir, DataDirError
+from .errors import ApiError
+
+if TYPE_CHECKING:
+    from .config import ServerConfig
+    from .state import ServerState
+
+log = logging.getLogger("batchprompt")
+
+WINDOW = re.compile(r"([1-9][0-9]{0,6})([smhd])")
+UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+CANCEL_WAIT_S = 5.0  # a cancel answers once the batch is cancelled, or after this (then: cancelling)
+
+
+class BatchApi:
+    def __init__(self, config: "ServerConfig", state: "ServerState"):
+        self.config, self.state = config, state
+        self.dir = DataDir(config.data_dir)  # a second server on the same directory stops here
+        try:
+            self.store = Store(self.dir.meta)
+        except StorageError as e:
+            self.dir.close()
+            raise DataDirError(f"--data-dir {self.dir.root}: {e}") from None
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="batchprompt-batch-io")
+        self.jobs: dict[str, BatchJob] = {}
+
+    async def io(self, fn: Callable, *args) -> Any:
+        """Run `fn` on the journal thread (every Journal is made and used there)."""
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
+    async def update(self, batch_id: str, **changes: Any) -> dict[str, Any]:
+        return await asyncio.to_thread(self.store.update_batch, batch_id, **changes)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Resume the batches an earlier run of the server left unfinished."""
+        resumed = 0
+        for batch in await asyncio.to_thread(self.store.unfinished_batches):
+            if batch.get("model") != self.state.model_id:
+                log.warning("batch %s was made for the model %s, not %s: it resumes when a server with that "
+                            "model uses this --data-dir", batch["id"], batch.get("model"), self.state.model_id)
+                continue
+            self._spawn(batch)
+            resumed += 1
+        if resumed:
+            log.info("resuming %d unfinished batch(es) from %s", resumed, self.dir.root)
+
+    def _spawn(self, batch: dict[str, Any]) -> None:
+        job = BatchJob(self, batch)
+        self.jobs[job.id] = job
+        job.task = asyncio.ensure_future(job.run())
+        job.task.add_done_callback(lambda _: self.jobs.pop(job.id, None))
+
+    async def close(self) -> None:
+        """Stop every job (what finished is committed; the batches resume at the next start)."""
+        tasks = [j.task for j in self.jobs.values() if j.task is not None and not j.task.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=30)
+        await asyncio.to_thread(self._io.shutdown, True)
+        self.store.close()
+        self.dir.close()
+
+    def running(self) -> int:
+        return len(self.jobs)
+
+    # ---- files -------------------------------------------------------------------------------
+    async def get_file(self, file_id: str) -> dict[str, Any]:
+        record = await asyncio.to_thread(self.store.get_file, file_id)
+        if record is None:
+            raise ApiError(404, f"no file {file_id!r} (GET /v1/files lists them)", "file_not_found", "file_id")
+        return record
+
+    async def file_object(self, record: dict[str, Any]) -> dict[str, Any]:
+        journal = await self._live_journal(record)
+        if journal is None:
+            return batch_files.file_json(record)
+        size = await asyncio.to_thread(batch_files.journal_size, journal, record["kind"] == "output")
+        return batch_files.file_json(record, size)
+
+    async def _live_journal(self, record: dict[str, Any]):
+        """The journal a batch's file is read from while the batch runs; None once it is on disk."""
+        if record["kind"] is None:
+            return None
+        batch = await asyncio.to_thread(self.store.get_batch, record["batch_id"])
+        if batch is None or batch["status"] in FINAL:
+            return None
+        return self.dir.journal_path(record["batch_id"])
+
+    async def live_content(self, record: dict[str, Any]) -> bytes | None:
+        """A running batch's output or error lines so far; None when the file is on disk."""
+        journal = await self._live_journal(record)
+        if journal is None:
+            return None
+        return await asyncio.to_thread(batch_files.journal_lines, journal, record["kind"] == "output")
+
+    async def delete_file(self, file_id: str) -> dict[str, Any]:
+        record = await self.get_file(file_id)
+        if await self._live_journal(record) is not None:
+            raise ApiError(409, f"the file {file_id} is the {record['kind']} file of the batch {record['batch_id']}, "
+                                f"which has not ended; cancel the batch or wait for it", "file_in_use", "file_id")
+        readers = await asyncio.to_thread(self.store.batches_reading, file_id)
+        if readers:
+            raise ApiError(409, f"the file {file_id} is the input of the batch {readers[0]}, which has not ended; "
+                                f"cancel the batch or wait for it", "file_in_use", "file_id")
+        await asyncio.to_thread(self.store.delete_file, file_id)
+        self.dir.file_path(file_id).unlink(missing_ok=True)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    # ---- batches -----------------------------------------------------------------------------
+    async def create(self, body: dict[str, Any]) -> dict[str, Any]:
+        file_id, endpoint = body["input_file_id"], body["endpoint"]
+        record = await asyncio.to_thread(self.store.get_file, file_id)
+        if record is None:
+            raise ApiError(404, f"no file {file_id!r}: upload the requests with POST /v1/files (purpose=batch) and "
+                                f"give its id", "file_not_found", "input_file_id")
+        if record["purpose"] != "batch":
+            raise ApiError(400, f"the file {file_id} is a {record['purpose']} file, not an upload with purpose=batch",
+                           "invalid_input_file", "input_file_id")
+        if endpoint not in ENDPOINTS:
+            raise ApiError(400, f"endpoint {endpoint!r} is not supported; use one of {', '.join(ENDPOINTS)}",
+                           "invalid_endpoint", "endpoint")
+        window = window_seconds(body["completion_window"])
+        metadata = check_metadata(body.get("metadata"))
+        self.state.service()  # 503 while loading or shutting down
+        now = int(time.time())
+        counts, usage = Counts().json()
+        batch = {"id": "batch_" + secrets.token_hex(16), "object": "batch", "endpoint": endpoint, "errors": None,
+                 "input_file_id": file_id, "completion_window": body["completion_window"], "status": "validating",
+                 "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
+                 "expires_at": now + window, "finalizing_at": None, "completed_at": None, "failed_at": None,
+                 "expired_at": None, "cancelling_at": None, "cancelled_at": None, "request_counts": counts,
+                 "metadata": metadata, "model": self.state.model_id, "usage": usage}
+        await asyncio.to_thread(self.store.add_batch, batch)
+        self._spawn(batch)
+        return batch
+
+    async def get_batch(self, batch_id: str) -> dict[str, Any]:
+        batch = await asyncio.to_thread(self.store.get_batch, batch_id)
+        if batch is None:
+            raise ApiError(404, f"no batch {batch_id!r} (GET /v1/batches lists them)", "batch_not_found", "batch_id")
+        return self.view(batch)
+
+    def view(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The batch with its running job's counts (the store has them as of the last change)."""
+        job = self.jobs.get(batch["id"])
+        if job is not None and batch["status"] not in FINAL and job.counts.total:
+            batch = dict(batch)
+            batch["request_counts"], batch["usage"] = job.counts.json()
+        return batch
+
+    async def list_batches(self, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
+        try:
+            batches, more = await asyncio.to_thread(self.store.list_batches, after, limit)
+        except UnknownCursor:
+            raise ApiError(400, f"after={after!r} names no batch; give the id of the last batch of the previous "
+                                f"page", "invalid_cursor", "after") from None
+        return [self.view(b) for b in batches], more
+
+    async def cancel(self, batch_id: str) -> dict[str, Any]:
+        batch = await self.get_batch(batch_id)
+        if batch["status"] in FINAL:
+            if batch["status"] == "cancelled":
+                return batch
+            raise ApiError(409, f"the batch {batch_id} has already ended ({batch['status']}); nothing to cancel",
+                           "batch_ended", "batch_id")
+        job = self.jobs.get(batch_id)
+        if job is None:
+            raise ApiError(409, f"the batch {batch_id} is not running in this server now (it was made for the "
+                                f"model {batch.get('model')}, or the engine stopped under it); start a server with "
+                                f"that model on this --data-dir to resume it", "batch_not_running", "batch_id")
+        async with job.lock:
+            if job.finishing and job.ending != "cancelled":
+                raise ApiError(409, f"the batch {batch_id} is ending ({job.ending or 'completed'}): its outputs are "
+                                    f"being written", "batch_ended", "batch_id")
+            if job.stop("cancelled") and batch["status"] != "cancelling":
+                await self.update(batch_id, status="cancelling", cancelling_at=int(time.time()))
+        if job.task is not None:
+            await asyncio.wait({job.task}, timeout=CANCEL_WAIT_S)
+        return await self.get_batch(batch_id)
+
+    async def ensure_files(self, batch_id: str) -> dict[str, Any]:
+        """The batch, with output and error files (made now for one cancelled before it began)."""
+        batch = await asyncio.to_thread(self.store.get_batch, batch_id)
+        if batch["output_file_id"] is not None:
+            return batch
+        ids = {}
+        for kind in ("output", "error"):
+            ids[f"{kind}_file_id"] = file_id = batch_files.new_file_id()
+            await asyncio.to_thread(self.store.add_file, batch_files.new_record(
+                file_id, f"{batch_id}_{kind}.jsonl", "batch_output", 0, batch_id, kind))
+        return await self.update(batch_id, **ids)
+
+
+def window_seconds(window: str) -> int:
+    """A completion window ("24h", as OpenAI takes it; also "30m", "90s", "2d")."""
+    m = WINDOW.fullmatch(window)
+    if m is None:
+        raise ApiError(400, f"completion_window {window!r} is not a duration: give \"24h\" (or a number with s, m, "
+                            f"h or d)", "invalid_completion_window", "completion_window")
+    return int(m.group(1)) * UNIT_S[m.group(2)]
+
+
+def check_metadata(metadata: Any) -> dict[str, str] | None:
+    """OpenAI's rule: at most 16 pairs, keys up to 64 characters, values up to 512."""
+    if metadata is None:
+        return None
+    if len(metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
+        raise ApiError(400, "metadata takes at most 16 pairs of strings, keys up to 64 characters and values up "
+                            "to 512", "invalid_metadata", "metadata")
+    return metadata

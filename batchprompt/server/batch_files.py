@@ -1,0 +1,91 @@
+"""The Batch API's files: uploads (purpose "batch") and each batch's output and error files.
+
+An upload is stored under an id the server makes (DIR/files/file-...), written to a temp file,
+fsynced and renamed, and only then recorded. A batch's output and error files exist from the
+moment it is in progress: until the batch ends, their contents are the rows its journal holds
+(committed at least every half second), in input order; once it ends they are written out to
+disk, whole, and never change again."""
+from __future__ import annotations
+
+import secrets
+import shutil
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ..jobs.storage import write_atomic
+from .errors import ApiError
+
+PURPOSES = ("batch",)  # what this server keeps files for (OpenAI has more, for its other APIs)
+
+
+def new_file_id() -> str:
+    return "file-" + secrets.token_hex(12)
+
+
+def file_json(record: dict[str, Any], size: int | None = None) -> dict[str, Any]:
+    """OpenAI's File object; `size` for a batch's file that is still being written."""
+    return {"id": record["id"], "object": "file", "bytes": record["bytes"] if size is None else size,
+            "created_at": record["created_at"], "filename": record["filename"], "purpose": record["purpose"],
+            "status": record["status"], "expires_at": None, "status_details": None}
+
+
+def check_purpose(purpose: Any) -> str:
+    if purpose not in PURPOSES:
+        raise ApiError(400, f"purpose {purpose!r} is not supported: this server keeps files for the Batch API "
+                            f"only; send purpose=batch", "invalid_purpose", "purpose")
+    return purpose
+
+
+def save_upload(src: BinaryIO, dest: Path) -> None:
+    """Copy an upload to its place, all or nothing (blocking: call from a thread)."""
+    src.seek(0)
+    write_atomic(dest, lambda f: shutil.copyfileobj(src, f, 1 << 20))
+
+
+def new_record(file_id: str, filename: str, purpose: str, size: int, batch_id: str | None = None,
+               kind: str | None = None) -> dict[str, Any]:
+    return {"id": file_id, "filename": filename[:255] or "upload.jsonl", "purpose": purpose, "bytes": size,
+            "created_at": int(time.time()), "status": "processed" if kind is None else "uploaded",
+            "batch_id": batch_id, "kind": kind}
+
+
+# ---- a running batch's files, read from its journal -------------------------------------------
+def _read_only(journal: Path) -> sqlite3.Connection | None:
+    """A reader of the journal beside its writer (WAL: it sees what is committed)."""
+    if not journal.exists():
+        return None
+    try:
+        return sqlite3.connect(journal.resolve().as_uri() + "?mode=ro", uri=True)
+    except sqlite3.Error:
+        return None
+
+
+def journal_lines(journal: Path, ok: bool) -> bytes:
+    """The output (ok) or error lines committed so far, in input order (blocking)."""
+    db = _read_only(journal)
+    if db is None:
+        return b""
+    try:
+        rows = db.execute("SELECT record FROM rows WHERE ok = ? ORDER BY line", (int(ok),)).fetchall()
+    except sqlite3.OperationalError:  # its tables are not made yet
+        return b""
+    finally:
+        db.close()
+    return b"".join(r[0].encode("utf-8") + b"\n" for r in rows)
+
+
+def journal_size(journal: Path, ok: bool) -> int:
+    """The size journal_lines would have (blocking)."""
+    db = _read_only(journal)
+    if db is None:
+        return 0
+    try:
+        row = db.execute("SELECT COALESCE(SUM(LENGTH(CAST(record AS BLOB)) + 1), 0) FROM rows WHERE ok = ?",
+                         (int(ok),)).fetchone()
+    except sqlite3.OperationalError:
+        return 0
+    finally:
+        db.close()
+    return int(row[0])

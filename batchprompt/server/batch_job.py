@@ -1,0 +1,257 @@
+"""One batch's work: check its input file, run the requests its journal lacks through the
+process's engine, and write its output and error files when it ends.
+
+Durable: every finished request goes to the batch's journal (the jobs' Journal: SQLite, WAL,
+synchronous=FULL), committed at least every half second. A server killed mid-batch (kill -9,
+a power cut) starts again, finds the batch unfinished, and runs only what the journal lacks;
+a server asked to stop (Ctrl-C, SIGTERM) commits what finished and does the same. The
+batch's status, timestamps and file ids are in the server's records (batch_store.py).
+
+Ends: completed (every request answered: ok in the output file, failed in the error file);
+cancelled (POST .../cancel) or expired (its completion window ran out), which keep every
+finished request and give the ones that never ran an error line (batch_cancelled,
+batch_expired); failed, when the input file does not check (no request runs)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..api.batch import Batch
+from ..jobs import openai_io
+from ..jobs.journal import Journal
+from ..jobs.rows import Row, RowError
+from ..jobs.storage import StorageError, write_atomic
+from .batch_input import Checked, check_input
+from .batch_rows import Plan, answer, plan_rows, refused_line, unfinished_line
+from .errors import ApiError
+
+if TYPE_CHECKING:
+    from .batch_api import BatchApi
+
+log = logging.getLogger("batchprompt")
+
+FLUSH_EVERY_S = 0.5  # the journal commits at least this often while requests finish
+CACHED = "json_extract(record, '$.response.body.usage.prompt_tokens_details.cached_tokens')"
+
+
+@dataclass
+class Counts:
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def json(self) -> tuple[dict[str, int], dict[str, Any]]:
+        """(request_counts, usage) as OpenAI's Batch object has them."""
+        return ({"total": self.total, "completed": self.completed, "failed": self.failed},
+                {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": self.cached_tokens},
+                 "output_tokens": self.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": self.prompt_tokens + self.completion_tokens})
+
+
+class BatchJob:
+    def __init__(self, api: "BatchApi", batch: dict[str, Any]):
+        self.api, self.id = api, batch["id"]
+        self.batch = batch  # as it was when the job began (the store has the current one)
+        self.counts = Counts()
+        self.ending: str | None = None  # "cancelled" or "expired": the run stops early, and why
+        self.finishing = False  # the outputs are being written: a cancel comes too late
+        self.lock = asyncio.Lock()  # status changes of this batch, one at a time
+        self.task: asyncio.Task | None = None
+        self._engine_batch: Batch | None = None
+        self._journal: Journal | None = None
+        self._expiry: asyncio.TimerHandle | None = None
+
+    # ---- control (on the event loop) ----------------------------------------------------------
+    def stop(self, ending: str) -> bool:
+        """End the run early (cancelled or expired), keeping what finished; False if too late."""
+        if self.finishing or self.ending is not None:
+            return self.ending == ending
+        self.ending = ending
+        batch = self._engine_batch
+        if batch is not None:  # its unfinished requests come back 'cancelled' and the run ends
+            asyncio.get_running_loop().run_in_executor(None, batch.cancel)
+        return True
+
+    # ---- the run -------------------------------------------------------------------------------
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._expiry = loop.call_at(loop.time() + max(self.batch["expires_at"] - time.time(), 0),
+                                    lambda: self.stop("expired"))
+        try:
+            await self._run()
+        except asyncio.CancelledError:  # the server is stopping: the batch resumes when it starts again
+            raise
+        except (StorageError, ApiError) as e:  # a full disk, the engine stopped: what is journaled is safe
+            log.error("batch %s paused (it resumes when the server starts again): %s", self.id, e)
+        except Exception as e:  # noqa: BLE001  (a bug: the batch fails with the reason, the server goes on)
+            log.exception("batch %s failed", self.id)
+            await self.api.update(self.id, status="failed", failed_at=int(time.time()), errors=_errors(
+                [{"code": "internal_error", "line": None, "param": None, "message": f"{type(e).__name__}: {e}"}]))
+        finally:
+            self._expiry.cancel()
+            if self._journal is not None:
+                journal, self._journal = self._journal, None
+                await asyncio.shield(self.api.io(journal.close))
+
+    async def _run(self) -> None:
+        status = self.batch["status"]
+        checked = await self._check()
+        if not checked.ok:
+            await self.api.update(self.id, status="failed", failed_at=int(time.time()), errors=_errors(checked.errors))
+            return
+        self.counts.total = len(checked.rows)
+        if status == "finalizing":  # killed while writing its outputs: every request is journaled
+            await self._finish("completed", checked.rows)
+            return
+        if status == "cancelling":
+            self.ending = "cancelled"
+        async with self.lock:
+            if self.ending is None and status == "validating":
+                await self._begin()
+        if self.ending is None:
+            await self._compute(checked.rows)
+        await self._finish(self.ending or "completed", checked.rows)
+
+    async def _check(self) -> Checked:
+        """The input file's requests (read and checked off the event loop)."""
+        api, b = self.api, self.batch
+        path = api.dir.file_path(b["input_file_id"])
+        try:
+            raw = await asyncio.to_thread(path.read_bytes)
+        except OSError as e:
+            return Checked(errors=[{"code": "missing_file", "line": None, "param": "input_file_id",
+                                    "message": f"the input file {b['input_file_id']} cannot be read ({e.strerror})"}])
+        state = api.state
+        return await asyncio.to_thread(check_input, raw, b["endpoint"], state.model_id, state.model_names)
+
+    async def _begin(self) -> None:
+        """validating -> in_progress: its output and error files exist from now on."""
+        await self.api.ensure_files(self.id)
+        counts, usage = self.counts.json()
+        await self.api.update(self.id, status="in_progress", in_progress_at=int(time.time()), request_counts=counts,
+                              usage=usage)
+
+    async def _open_journal(self) -> Journal:
+        if self._journal is None:
+            path = self.api.dir.journal_path(self.id)
+            self._journal = await self.api.io(Journal, path, f"{self.id}:{self.batch['input_file_id']}")
+            await self.api.io(self._load_counts, self._journal)
+        return self._journal
+
+    def _load_counts(self, journal: Journal) -> None:
+        """Counts of the requests journaled before (an earlier run of this server): on the io thread."""
+        c = self.counts
+        c.completed, total = journal.counts()
+        c.failed = total - c.completed
+        c.prompt_tokens, c.completion_tokens = journal.token_counts()
+        c.cached_tokens = journal.db.execute(f"SELECT COALESCE(SUM({CACHED}), 0) FROM rows WHERE ok = 1").fetchone()[0]
+
+    def _record(self, journal: Journal, line: int, custom_id: str | None, ok: bool, record: dict,
+                prompt: int = 0, completion: int = 0, cached: int = 0) -> None:
+        """Journal one answered request and count it (on the io thread)."""
+        journal.record(line, custom_id, ok, record, prompt, completion)
+        c = self.counts
+        if ok:
+            c.completed += 1
+            c.prompt_tokens, c.completion_tokens, c.cached_tokens = (
+                c.prompt_tokens + prompt, c.completion_tokens + completion, c.cached_tokens + cached)
+        else:
+            c.failed += 1
+
+    async def _compute(self, rows: list[Row | RowError]) -> None:
+        api = self.api
+        journal = await self._open_journal()
+        done = await api.io(journal.done_lines)
+        for r in rows:  # requests whose body is wrong are answered at once
+            if isinstance(r, RowError) and r.line not in done:
+                await api.io(self._record, journal, r.line, r.custom_id, False, refused_line(r))
+        todo = [r for r in rows if isinstance(r, Row) and r.line not in done]
+        if not todo:
+            return
+        service = api.state.service()
+        engine = service.engine
+        plan = await asyncio.to_thread(plan_rows, todo, engine.tokenizer, engine.max_model_len)
+        for row, line in plan.refused:
+            await api.io(self._record, journal, row.line, row.custom_id, False, line)
+        if self.ending is not None or not plan.items:
+            return
+        self._engine_batch = batch = Batch(service, plan.items)
+        flusher = asyncio.ensure_future(self._flush_often(journal))
+        try:
+            await self._collect(batch, plan, journal, lambda t: engine.tokenizer.decode([t]))
+        finally:
+            flusher.cancel()
+            await asyncio.shield(api.io(journal.flush))  # also when the server stops: what finished is kept
+
+    async def _collect(self, batch: Batch, plan: Plan, journal: Journal, token_text) -> None:
+        """Journal each request as its last choice comes in. A choice that comes back cancelled
+        (a cancel, an expiry, the server stopping) did not run: its request is not journaled."""
+        created, model = openai_io.now(), self.api.state.model_id
+        async for index, result in batch:
+            if result.finish_reason == "cancelled":
+                continue
+            pending, choice = plan.owners[index]
+            pending.choices[choice] = result
+            if any(c is None for c in pending.choices):
+                continue
+            a = answer(pending, model, created, token_text)
+            await self.api.io(self._record, journal, pending.row.line, pending.row.custom_id, a.ok, a.record,
+                              a.prompt_tokens, a.completion_tokens, a.cached_tokens)
+
+    async def _flush_often(self, journal: Journal) -> None:
+        while True:
+            await asyncio.sleep(FLUSH_EVERY_S)
+            await self.api.io(journal.flush)
+
+    async def _finish(self, ending: str, rows: list[Row | RowError]) -> None:
+        """Write the outputs from the journal and record the end. Killed half-way, it is done
+        again on restart (the batch is still finalizing or cancelling)."""
+        api = self.api
+        async with self.lock:
+            self.finishing = True
+        journal = await self._open_journal()
+        done = await api.io(journal.done_lines)
+        missing = [r for r in rows if r.line not in done]
+        if ending == "completed" and missing:  # the engine stopped under the batch: resume on restart
+            log.warning("batch %s: %d requests did not run (the engine stopped); it resumes when the server "
+                        "starts again", self.id, len(missing))
+            return
+        if ending == "completed":
+            await api.update(self.id, status="finalizing", finalizing_at=int(time.time()))
+        for r in missing:
+            line = refused_line(r) if isinstance(r, RowError) else unfinished_line(r, ending)
+            await api.io(self._record, journal, r.line, r.custom_id, False, line)
+        batch = await api.ensure_files(self.id)
+        sizes = await api.io(self._write_files, journal, batch["output_file_id"], batch["error_file_id"])
+        counts, usage = self.counts.json()
+        at = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[ending]
+        await asyncio.to_thread(api.store.finish_batch, self.id, sizes, dict(
+            status=ending, request_counts=counts, usage=usage, **{at: int(time.time())}))
+
+    def _write_files(self, journal: Journal, output_id: str, error_id: str) -> dict[str, int]:
+        """Both files, from the journal, in input order (on the io thread); their sizes."""
+        journal.flush()
+        sizes = {}
+        for file_id, ok in ((output_id, True), (error_id, False)):
+            size = 0
+
+            def fill(f, ok=ok) -> None:
+                nonlocal size
+                for _, row_ok, record in journal.records():
+                    if row_ok == ok:
+                        data = record.encode("utf-8") + b"\n"
+                        f.write(data)
+                        size += len(data)
+            write_atomic(self.api.dir.file_path(file_id), fill)
+            sizes[file_id] = size
+        return sizes
+
+
+def _errors(data: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"object": "list", "data": data}

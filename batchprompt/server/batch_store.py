@@ -1,0 +1,158 @@
+"""The Batch API's records: files and batches, in SQLite (WAL, synchronous=FULL) under
+--data-dir, so that they outlive the process. Contents of files live beside it, on disk
+(data_dir.py); a batch's finished rows live in its journal (batch_jobs.py).
+
+A file is a row of columns; a batch is its OpenAI object as JSON, with its status in a column
+of its own (the batches to resume are found by it). Lists go newest first by a sequence number,
+so that `after` is a stable cursor even for records made in the same second."""
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from ..jobs.storage import StorageError
+
+FILE_COLUMNS = ("id", "filename", "purpose", "bytes", "created_at", "status", "batch_id", "kind")
+#: Batches whose work is not over: resumed when the server starts.
+UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
+#: Batches whose outputs are written and will not change.
+FINAL = ("completed", "failed", "expired", "cancelled")
+
+
+class UnknownCursor(KeyError):
+    """`after` names no record of the list."""
+
+
+class Store:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._lock = threading.Lock()  # one connection, used from the event loop and threads
+        try:
+            self.db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=FULL")
+            self.db.execute("CREATE TABLE IF NOT EXISTS files (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
+                            "id TEXT UNIQUE NOT NULL, filename TEXT NOT NULL, purpose TEXT NOT NULL, "
+                            "bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, status TEXT NOT NULL, "
+                            "batch_id TEXT, kind TEXT)")
+            self.db.execute("CREATE TABLE IF NOT EXISTS batches (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
+                            "id TEXT UNIQUE NOT NULL, status TEXT NOT NULL, input_file_id TEXT NOT NULL, "
+                            "data TEXT NOT NULL)")
+        except sqlite3.Error as e:
+            raise StorageError.from_sqlite(self.path, e) from None
+
+    @contextmanager
+    def _tx(self, write: bool = False) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            try:
+                if write:
+                    self.db.execute("BEGIN IMMEDIATE")
+                yield self.db
+                if write:
+                    self.db.execute("COMMIT")
+            except BaseException as e:
+                if self.db.in_transaction:
+                    self.db.execute("ROLLBACK")
+                if isinstance(e, sqlite3.Error):
+                    raise StorageError.from_sqlite(self.path, e) from None
+                raise
+
+    # ---- files ------------------------------------------------------------------------------
+    def add_file(self, record: dict[str, Any]) -> None:
+        with self._tx(write=True) as db:
+            db.execute(f"INSERT INTO files ({', '.join(FILE_COLUMNS)}) VALUES ({', '.join('?' * len(FILE_COLUMNS))})",
+                       [record.get(c) for c in FILE_COLUMNS])
+
+    def get_file(self, file_id: str) -> dict[str, Any] | None:
+        with self._tx() as db:
+            row = db.execute(f"SELECT {', '.join(FILE_COLUMNS)} FROM files WHERE id = ?", (file_id,)).fetchone()
+        return dict(zip(FILE_COLUMNS, row)) if row else None
+
+    def update_file(self, file_id: str, **changes: Any) -> None:
+        sets = ", ".join(f"{k} = ?" for k in changes)
+        with self._tx(write=True) as db:
+            db.execute(f"UPDATE files SET {sets} WHERE id = ?", [*changes.values(), file_id])
+
+    def delete_file(self, file_id: str) -> bool:
+        with self._tx(write=True) as db:
+            return db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount > 0
+
+    def list_files(self, after: str | None, limit: int, order: str = "desc",
+                   purpose: str | None = None) -> tuple[list[dict[str, Any]], bool]:
+        where, params = ("purpose = ?", (purpose,)) if purpose else ("", ())
+        rows, more = self._page("files", ", ".join(FILE_COLUMNS), after, limit, order, where, params)
+        return [dict(zip(FILE_COLUMNS, r)) for r in rows], more
+
+    # ---- batches ----------------------------------------------------------------------------
+    def add_batch(self, batch: dict[str, Any]) -> None:
+        with self._tx(write=True) as db:
+            db.execute("INSERT INTO batches (id, status, input_file_id, data) VALUES (?, ?, ?, ?)",
+                       (batch["id"], batch["status"], batch["input_file_id"], json.dumps(batch)))
+
+    def get_batch(self, batch_id: str) -> dict[str, Any] | None:
+        with self._tx() as db:
+            row = db.execute("SELECT data FROM batches WHERE id = ?", (batch_id,)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def update_batch(self, batch_id: str, **changes: Any) -> dict[str, Any]:
+        """Merge `changes` into the batch, in one transaction; the batch as it is now."""
+        with self._tx(write=True) as db:
+            return _merge(db, batch_id, changes)
+
+    def finish_batch(self, batch_id: str, sizes: dict[str, int], changes: dict[str, Any]) -> dict[str, Any]:
+        """A batch's end, in one transaction: its files' final sizes, its final status."""
+        with self._tx(write=True) as db:
+            for file_id, size in sizes.items():
+                db.execute("UPDATE files SET bytes = ?, status = 'processed' WHERE id = ?", (size, file_id))
+            return _merge(db, batch_id, changes)
+
+    def list_batches(self, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
+        rows, more = self._page("batches", "data", after, limit, "desc")
+        return [json.loads(r[0]) for r in rows], more
+
+    def unfinished_batches(self) -> list[dict[str, Any]]:
+        """Oldest first: they resume in the order they were made."""
+        with self._tx() as db:
+            rows = db.execute(f"SELECT data FROM batches WHERE status IN ({', '.join('?' * len(UNFINISHED))}) "
+                              f"ORDER BY seq", UNFINISHED).fetchall()
+        return [json.loads(r[0]) for r in rows]
+
+    def batches_reading(self, file_id: str) -> list[str]:
+        """Unfinished batches that read `file_id` as their input."""
+        with self._tx() as db:
+            rows = db.execute(f"SELECT id FROM batches WHERE input_file_id = ? AND status IN "
+                              f"({', '.join('?' * len(UNFINISHED))})", (file_id, *UNFINISHED)).fetchall()
+        return [r[0] for r in rows]
+
+    # ---- lists ------------------------------------------------------------------------------
+    def _page(self, table: str, columns: str, after: str | None, limit: int, order: str,
+              where: str = "", params: tuple = ()) -> tuple[list[tuple], bool]:
+        """Up to `limit` rows after the record `after`, in `order` ("desc": newest first), and
+        whether more follow."""
+        conds, args = ([where], list(params)) if where else ([], [])
+        with self._tx() as db:
+            if after is not None:
+                row = db.execute(f"SELECT seq FROM {table} WHERE id = ?", (after,)).fetchone()
+                if row is None:
+                    raise UnknownCursor(after)
+                conds.append("seq < ?" if order == "desc" else "seq > ?")
+                args.append(row[0])
+            sql = (f"SELECT {columns} FROM {table}{' WHERE ' + ' AND '.join(conds) if conds else ''} "
+                   f"ORDER BY seq {'DESC' if order == 'desc' else 'ASC'} LIMIT ?")
+            rows = db.execute(sql, [*args, limit + 1]).fetchall()
+        return rows[:limit], len(rows) > limit
+
+    def close(self) -> None:
+        with self._lock:
+            self.db.close()
+
+
+def _merge(db: sqlite3.Connection, batch_id: str, changes: dict[str, Any]) -> dict[str, Any]:
+    batch = json.loads(db.execute("SELECT data FROM batches WHERE id = ?", (batch_id,)).fetchone()[0])
+    batch.update(changes)
+    db.execute("UPDATE batches SET status = ?, data = ? WHERE id = ?", (batch["status"], json.dumps(batch), batch_id))
+    return batch

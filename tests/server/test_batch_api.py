@@ -1,0 +1,241 @@
+"""OpenAI's Batch API on a real server, through the official `openai` client: files.create ->
+batches.create -> poll -> files.content; lists with after/limit; a malformed file fails with
+its line numbers; the output is readable while a batch runs; cancel and expiry keep every
+finished request; deleting files."""
+from __future__ import annotations
+
+import json
+import time
+
+import openai
+import pytest
+from openai.types import FileObject
+
+from .batch_util import (chat_line, completion_line, jsonl, lines_of, long_line, strict_batch, upload, wait_ended,
+                         wait_for)
+from .conftest import error_of, start_server, stop_server
+
+pytestmark = pytest.mark.slow
+
+MAX_FILE_BYTES = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = start_server(tmp_path_factory.mktemp("server"), "--max-file-bytes", str(MAX_FILE_BYTES))
+    yield srv
+    assert stop_server(srv) == 0, srv.output()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.openai()
+
+
+def test_round_trip(client):
+    lines = [chat_line(f"q{i}", f"Name a colour, {i}.") for i in range(4)]
+    lines.insert(2, chat_line("empty", "x", messages=[]))  # a request whose body is wrong: its own error
+    f = upload(client, lines, "colours.jsonl")
+    assert (f.object, f.purpose, f.filename, f.bytes) == ("file", "batch", "colours.jsonl", len(jsonl(lines)))
+    created = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                    metadata={"job": "colours"})
+    assert created.status == "validating" and created.input_file_id == f.id
+    batch = wait_ended(client, created.id)
+    assert batch.status == "completed", batch
+    assert batch.request_counts.model_dump() == {"total": 5, "completed": 4, "failed": 1}
+    assert batch.metadata == {"job": "colours"} and batch.model == "smollm2-135m" and batch.errors is None
+    assert batch.created_at <= batch.in_progress_at <= batch.finalizing_at <= batch.completed_at < batch.expires_at
+    assert batch.expires_at == batch.created_at + 24 * 3600
+    out = lines_of(client, batch.output_file_id)
+    assert [x["custom_id"] for x in out] == ["q0", "q1", "q2", "q3"]  # input order
+    for x in out:
+        body = x["response"]["body"]
+        assert x["response"]["status_code"] == 200 and x["error"] is None
+        assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"]
+        assert body["usage"]["completion_tokens"] <= 3
+    assert batch.usage.output_tokens == sum(x["response"]["body"]["usage"]["completion_tokens"] for x in out)
+    [err] = lines_of(client, batch.error_file_id)
+    assert err["custom_id"] == "empty" and err["error"]["line"] == 3 and err["error"]["code"] == "invalid_messages"
+    meta = client.files.retrieve(batch.output_file_id)
+    assert meta.purpose == "batch_output" and meta.bytes == len(client.files.content(batch.output_file_id).content)
+
+
+def test_completions_endpoint_with_choices_and_logprobs(client):
+    lines = [completion_line("a", "The sky is", 3, n=2, seed=1, temperature=1.0, logprobs=0),
+             completion_line("b", "One, two,", 3)]
+    batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/completions",
+                                  completion_window="1h")
+    batch = wait_ended(client, batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 2, batch
+    a, b = lines_of(client, batch.output_file_id)
+    assert [c["index"] for c in a["response"]["body"]["choices"]] == [0, 1]
+    assert a["response"]["body"]["choices"][0]["logprobs"]["token_logprobs"]
+    assert b["response"]["body"]["object"] == "text_completion"
+
+
+def test_a_malformed_file_fails_validation_with_its_line_numbers(client):
+    good = json.dumps(chat_line("a", "Hi"))
+    raw = "\n".join([
+        good,
+        "not json",
+        json.dumps(chat_line("a", "again")),  # the same custom_id
+        json.dumps({**chat_line("c", "Hi"), "url": "/v1/completions"}),  # another endpoint
+        json.dumps({"method": "POST", "url": "/v1/chat/completions", "body": {}}),  # no custom_id
+        json.dumps({**chat_line("d", "Hi"), "body": {**chat_line("d", "Hi")["body"], "model": "gpt-9"}}),
+        "",
+        json.dumps([1, 2]),
+    ]).encode() + b"\n" + b'{"custom_id": "e\xff"}\n'
+    batch = client.batches.create(input_file_id=upload(client, raw).id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    batch = wait_ended(client, batch.id)
+    assert batch.status == "failed" and batch.failed_at is not None
+    assert batch.output_file_id is None and batch.error_file_id is None and batch.in_progress_at is None
+    got = [(e.line, e.code) for e in batch.errors.data]
+    assert got == [(2, "invalid_json"), (3, "duplicate_custom_id"), (4, "mismatched_url"), (5, "missing_custom_id"),
+                   (6, "model_not_found"), (8, "invalid_request"), (9, "invalid_utf8")]
+    assert all(e.message.startswith(f"line {e.line}: ") for e in batch.errors.data)
+    assert "also on line 1" in batch.errors.data[1].message
+
+
+def test_an_empty_file_fails_validation(client):
+    batch = client.batches.create(input_file_id=upload(client, b"\n\n").id, endpoint="/v1/completions",
+                                  completion_window="24h")
+    batch = wait_ended(client, batch.id)
+    assert batch.status == "failed" and [e.code for e in batch.errors.data] == ["empty_file"]
+
+
+def test_create_errors(client):
+    f = upload(client, [chat_line("a", "Hi")])
+    with pytest.raises(openai.NotFoundError, match="upload the requests with POST /v1/files"):
+        client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
+    with pytest.raises(openai.BadRequestError, match="endpoint '/v1/embeddings' is not supported"):
+        client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+    with pytest.raises(openai.BadRequestError, match="completion_window 'soon'"):
+        client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="soon")
+    with pytest.raises(openai.BadRequestError, match="metadata takes at most 16 pairs"):
+        client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                              metadata={str(i): "x" for i in range(17)})
+    with pytest.raises(openai.UnprocessableEntityError, match="completion_window"):
+        client.post("/batches", body={"input_file_id": f.id, "endpoint": "/v1/chat/completions"}, cast_to=object)
+    with pytest.raises(openai.NotFoundError, match="no batch 'batch_nope'"):
+        client.batches.retrieve("batch_nope")
+
+
+def test_upload_errors(server, client):
+    with pytest.raises(openai.BadRequestError, match="purpose 'fine-tune' is not supported"):
+        client.files.create(file=("a.jsonl", b"{}\n"), purpose="fine-tune")
+    with pytest.raises(openai.BadRequestError, match="the file is empty"):
+        client.files.create(file=("a.jsonl", b""), purpose="batch")
+    with pytest.raises(openai.APIStatusError, match="--max-file-bytes") as e:
+        client.files.create(file=("big.jsonl", b"x" * (MAX_FILE_BYTES + 1)), purpose="batch")
+    assert e.value.status_code == 413
+    with server.client() as c:
+        r = c.post("/v1/files", json={"purpose": "batch"})  # not multipart
+        assert r.status_code == 400 and error_of(r)["code"] == "missing_file"
+        r = c.post("/v1/files", content=b"--x\r\nbroken", headers={"Content-Type": "multipart/form-data; boundary=x"})
+        assert 400 <= r.status_code < 500, r.text
+        error_of(r)
+
+
+def test_lists_page_with_after_and_limit(client):
+    ids = []
+    for i in range(3):
+        f = upload(client, [completion_line("a", f"Count {i}:", 1)])
+        ids.append(client.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                         completion_window="24h").id)
+    for batch_id in ids:
+        wait_ended(client, batch_id)
+    newest = ids[::-1]
+    first = client.batches.list(limit=2)
+    assert [b.id for b in first.data] == newest[:2] and first.has_more
+    second = client.batches.list(limit=2, after=newest[1])
+    assert second.data[0].id == newest[2]
+    seen = [b.id for b in client.batches.list(limit=1)]  # the client pages through them all
+    assert seen[:3] == newest and len(seen) == len(set(seen))
+    with pytest.raises(openai.BadRequestError, match="names no batch"):
+        client.batches.list(after="batch_nope")
+    with pytest.raises(openai.BadRequestError, match="limit must be a whole number from 1 to 100"):
+        client.batches.list(limit=500)
+    files = client.files.list(limit=2, purpose="batch")
+    assert len(files.data) == 2 and files.has_more and all(isinstance(f, FileObject) for f in files.data)
+    ascending = [f.id for f in client.files.list(order="asc", purpose="batch")]
+    descending = [f.id for f in client.files.list(purpose="batch")]
+    assert ascending == descending[::-1]
+    assert [f.id for f in client.files.list(after=descending[0], limit=1, purpose="batch").data] == [descending[1]]
+
+
+def test_output_readable_while_running_and_cancel_keeps_finished_rows(server, client):
+    quick = [completion_line(f"q{i}", f"Number {i}:", 2) for i in range(6)]
+    f = upload(client, quick + [long_line("long1"), long_line("long2")])
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    # The output file exists from in_progress on, and holds the requests finished so far.
+    batch = wait_for(client, batch.id, lambda b: b.output_file_id is not None and b.request_counts.completed >= 6,
+                     "the quick requests finished")
+    assert batch.status == "in_progress"
+    partial = wait_for_lines(client, batch.output_file_id, 6)
+    assert sorted(x["custom_id"] for x in partial) == [f"q{i}" for i in range(6)]
+    assert client.files.retrieve(batch.output_file_id).bytes == len(client.files.content(batch.output_file_id).content)
+    # Files a running batch reads or writes cannot be deleted.
+    for file_id in (f.id, batch.output_file_id):
+        with pytest.raises(openai.ConflictError, match="has not ended"):
+            client.files.delete(file_id)
+    cancelled = client.batches.cancel(batch.id)
+    assert cancelled.status in ("cancelling", "cancelled")
+    batch = wait_ended(client, batch.id)
+    assert batch.status == "cancelled" and batch.cancelling_at and batch.cancelled_at and batch.completed_at is None
+    assert batch.request_counts.model_dump() == {"total": 8, "completed": 6, "failed": 2}
+    assert [x["custom_id"] for x in lines_of(client, batch.output_file_id)] == [f"q{i}" for i in range(6)]
+    errors = lines_of(client, batch.error_file_id)
+    assert [(x["custom_id"], x["error"]["code"]) for x in errors] == [("long1", "batch_cancelled"),
+                                                                       ("long2", "batch_cancelled")]
+    server.wait_until(lambda s: s["engine"]["running"] == 0 and s["engine"]["waiting"] == 0,
+                      "the engine dropped the cancelled requests")
+    assert client.batches.cancel(batch.id).status == "cancelled"  # again: the same answer
+
+
+def test_an_ended_batch_cannot_be_cancelled(client):
+    f = upload(client, [completion_line("a", "Hi", 1)])
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    assert wait_ended(client, batch.id).status == "completed"
+    with pytest.raises(openai.ConflictError, match="has already ended \\(completed\\)"):
+        client.batches.cancel(batch.id)
+
+
+def wait_for_lines(client, file_id: str, n: int) -> list[dict]:
+    """The file's lines once it has `n` (a running batch's output grows as its journal commits)."""
+    deadline = time.monotonic() + 60
+    while True:
+        lines = lines_of(client, file_id)
+        if len(lines) >= n:
+            return lines
+        assert time.monotonic() < deadline, f"the output has {len(lines)} lines, not {n}"
+        time.sleep(0.2)
+
+
+def test_expired_batch_keeps_what_finished(client):
+    f = upload(client, [completion_line("q1", "One:"), completion_line("q2", "Two:"), long_line("long")])
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="3s")
+    batch = wait_ended(client, batch.id)
+    assert batch.status == "expired" and batch.expired_at is not None and batch.expired_at >= batch.expires_at - 1
+    counts = batch.request_counts
+    assert counts.total == 3 and counts.completed + counts.failed == 3
+    out, errors = lines_of(client, batch.output_file_id), lines_of(client, batch.error_file_id)
+    assert sorted(x["custom_id"] for x in out + errors) == ["long", "q1", "q2"]  # each once
+    assert {x["custom_id"]: x["error"]["code"] for x in errors}["long"] == "batch_expired"
+    assert len(out) == counts.completed
+
+
+def test_deleting_files(client):
+    f = upload(client, [completion_line("a", "Hi", 1)])
+    batch = wait_ended(client, client.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                                     completion_window="24h").id)
+    for file_id in (f.id, batch.output_file_id):
+        deleted = client.files.delete(file_id)
+        assert (deleted.id, deleted.deleted) == (file_id, True)
+        with pytest.raises(openai.NotFoundError):
+            client.files.retrieve(file_id)
+        with pytest.raises(openai.NotFoundError):
+            client.files.content(file_id)
+        with pytest.raises(openai.NotFoundError):
+            client.files.delete(file_id)
+    assert strict_batch(client, batch.id).status == "completed"  # the batch's record stays

@@ -1,0 +1,109 @@
+"""The Batch API's bookkeeping without a model: checking an input file, the records in SQLite,
+and the data directory's lock."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from batchprompt.jobs.rows import Row, RowError
+from batchprompt.server.batch_input import MAX_ERRORS, check_input
+from batchprompt.server.batch_store import Store, UnknownCursor
+from batchprompt.server.data_dir import DataDir, DataDirError
+
+CHAT = "/v1/chat/completions"
+
+
+def line(cid, url=CHAT, **body) -> str:
+    return json.dumps({"custom_id": cid, "method": "POST", "url": url,
+                       "body": {"messages": [{"role": "user", "content": "Hi"}], **body}})
+
+
+def check(*lines: str | bytes):
+    raw = b"\n".join(x.encode() if isinstance(x, str) else x for x in lines)
+    return check_input(raw, CHAT, "m", {"m", "alias"})
+
+
+def test_good_file_with_a_bom_blank_lines_and_a_bad_body():
+    got = check(b"\xef\xbb\xbf" + line("a").encode(), "", line("b", messages=[]), line("c", model="alias"), "  ")
+    assert got.ok
+    a, b, c = got.rows
+    assert isinstance(a, Row) and a.line == 1 and isinstance(c, Row) and c.line == 4
+    assert isinstance(b, RowError) and b.line == 3 and b.code == "invalid_messages"  # its own error, not the batch's
+
+
+def test_every_bad_line_is_named_once_with_its_number():
+    got = check(line("a"), "{", line("a"), line("b", url="/v1/completions"), line("c", url="/v1/embeddings"),
+                json.dumps({"url": CHAT, "body": {}}), json.dumps({"custom_id": "d", "url": CHAT, "method": "GET",
+                                                                   "body": {}}),
+                json.dumps({"custom_id": "e", "url": CHAT}), line("f", messages=[], model="other"), "7",
+                b'{"custom_id": "\xff"}')
+    assert not got.ok
+    assert [(e["line"], e["code"]) for e in got.errors] == [
+        (2, "invalid_json"), (3, "duplicate_custom_id"), (4, "mismatched_url"), (5, "invalid_url"),
+        (6, "missing_custom_id"), (7, "invalid_method"), (8, "missing_body"), (9, "model_not_found"),
+        (10, "invalid_request"), (11, "invalid_utf8")]
+    assert all(e["message"].startswith(f"line {e['line']}: ") for e in got.errors)
+    assert "'other' does not exist here; this server runs 'm'" in got.errors[7]["message"]
+
+
+def test_errors_are_capped_with_a_count_of_the_rest():
+    got = check(*["nope"] * (MAX_ERRORS + 5))
+    assert len(got.errors) == MAX_ERRORS + 1
+    assert got.errors[-1] == {"code": "too_many_errors", "line": None, "param": None,
+                              "message": "and 5 more lines with errors"}
+
+
+def test_an_empty_file_is_an_error():
+    assert [e["code"] for e in check("", " ").errors] == ["empty_file"]
+
+
+def test_an_id_that_is_not_valid_text_is_its_rows_error():
+    got = check(line("a"), '{"custom_id": "\\ud800", "url": "/v1/chat/completions", "body": {"messages": '
+                           '[{"role": "user", "content": "x"}]}}')
+    assert got.ok and isinstance(got.rows[1], RowError) and got.rows[1].code == "invalid_custom_id"
+
+
+def _file(i: int, purpose: str = "batch") -> dict:
+    return {"id": f"file-{i}", "filename": "x", "purpose": purpose, "bytes": 1, "created_at": 0,
+            "status": "processed", "batch_id": None, "kind": None}
+
+
+def _batch(i: int, status: str = "validating") -> dict:
+    return {"id": f"batch_{i}", "status": status, "input_file_id": "file-0"}
+
+
+def test_store_pages_newest_first_and_keeps_records_across_connections(tmp_path):
+    store = Store(tmp_path / "meta.sqlite")
+    for i in range(5):
+        store.add_file(_file(i, "batch" if i % 2 == 0 else "batch_output"))
+        store.add_batch(_batch(i, "completed" if i < 3 else "in_progress"))
+    files, more = store.list_files(None, 2)
+    assert [f["id"] for f in files] == ["file-4", "file-3"] and more
+    files, more = store.list_files("file-3", 10, "desc", "batch")
+    assert [f["id"] for f in files] == ["file-2", "file-0"] and not more
+    assert [f["id"] for f in store.list_files("file-0", 2, "asc")[0]] == ["file-1", "file-2"]
+    with pytest.raises(UnknownCursor):
+        store.list_batches("batch_9", 2)
+    store.update_batch("batch_3", status="cancelling", cancelling_at=7)
+    store.close()
+
+    store = Store(tmp_path / "meta.sqlite")
+    assert [b["id"] for b in store.unfinished_batches()] == ["batch_3", "batch_4"]
+    assert store.get_batch("batch_3") == {**_batch(3, "cancelling"), "cancelling_at": 7}
+    assert store.batches_reading("file-0") == ["batch_3", "batch_4"]
+    done = store.finish_batch("batch_3", {"file-1": 42}, {"status": "cancelled"})
+    assert done["status"] == "cancelled" and store.get_file("file-1")["bytes"] == 42
+    assert store.delete_file("file-1") and not store.delete_file("file-1") and store.get_file("file-1") is None
+    store.close()
+
+
+def test_one_server_per_data_dir(tmp_path):
+    first = DataDir(tmp_path / "d")
+    with pytest.raises(DataDirError, match=r"is in use by another batchprompt server \(pid \d+"):
+        DataDir(tmp_path / "d")
+    first.close()
+    DataDir(tmp_path / "d").close()  # free again
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(DataDirError, match="cannot create it"):
+        DataDir(tmp_path / "file" / "d")

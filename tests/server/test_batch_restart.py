@@ -1,0 +1,86 @@
+"""The Batch API across restarts: a server killed (kill -9) or stopped (SIGTERM) mid-batch and
+started again on the same --data-dir resumes the batch and completes it, and computes only
+the requests its journal did not hold: the new engine's request count proves it."""
+from __future__ import annotations
+
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .batch_util import completion_line, lines_of, long_line, strict_batch, upload, wait_ended
+from .conftest import STOP_TIMEOUT_S, free_port, start_server, stop_server
+
+pytestmark = pytest.mark.slow
+
+QUICK, LONG = 20, 3
+LONG_TOKENS = 256  # long enough to be running when the quick ones are journaled, short enough to finish after
+
+
+def journaled(journal: Path) -> dict[int, str]:
+    """line -> record committed in the batch's journal (read beside the server: WAL)."""
+    if not journal.exists():
+        return {}
+    db = sqlite3.connect(journal.resolve().as_uri() + "?mode=ro", uri=True)
+    try:
+        return dict(db.execute("SELECT line, record FROM rows"))
+    except sqlite3.OperationalError:  # not made yet
+        return {}
+    finally:
+        db.close()
+
+
+@pytest.mark.parametrize("stop", ["kill -9", "SIGTERM"])
+def test_a_batch_resumes_after_a_restart_and_runs_only_what_was_not_journaled(tmp_path, stop):
+    data = tmp_path / "data"
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    first_dir.mkdir(), second_dir.mkdir()
+    srv = start_server(first_dir, "--data-dir", str(data))
+    try:
+        client = srv.openai()
+        quick = [completion_line(f"q{i:02d}", f"Item {i}:", 2) for i in range(QUICK)]
+        f = upload(client, quick + [long_line(f"long{i}", LONG_TOKENS) for i in range(LONG)])
+        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        journal = data / "batches" / f"{batch.id}.journal"
+        deadline = time.monotonic() + 300
+        while len(journaled(journal)) < QUICK:
+            assert time.monotonic() < deadline, "the quick requests were not journaled within 300s"
+            time.sleep(0.1)
+        assert strict_batch(client, batch.id).status == "in_progress"
+    finally:
+        if stop == "kill -9":
+            srv.proc.send_signal(signal.SIGKILL)
+            srv.proc.wait(STOP_TIMEOUT_S)
+        else:
+            assert stop_server(srv) == 0, srv.output()
+    before = journaled(journal)
+    total = QUICK + LONG
+    assert QUICK <= len(before) < total, "the server did not stop mid-batch"
+
+    srv = start_server(second_dir, "--data-dir", str(data))
+    try:
+        client = srv.openai()
+        assert client.batches.list().data[0].id == batch.id  # the records outlived the process
+        done = wait_ended(client, batch.id, timeout=600)
+        assert done.status == "completed", done
+        assert done.request_counts.model_dump() == {"total": total, "completed": total, "failed": 0}
+        assert done.created_at == batch.created_at and done.input_file_id == f.id
+        # The engine of this process ran exactly the requests the journal lacked.
+        assert srv.stats()["engine"]["finished"] == total - len(before)
+        out = lines_of(client, done.output_file_id)
+        assert [x["custom_id"] for x in out] == [f"q{i:02d}" for i in range(QUICK)] + [f"long{i}" for i in range(LONG)]
+        assert all(len(x["response"]["body"]["choices"][0]["text"]) == LONG_TOKENS for x in out[QUICK:])
+        after = journaled(journal)
+        assert {line: after[line] for line in before} == before  # journaled rows were kept, not redone
+        assert lines_of(client, done.error_file_id) == []
+
+        # One server per --data-dir: a second one exits 2 before loading the model, naming the first.
+        p = subprocess.run([sys.executable, "-m", "batchprompt.server", "--port", str(free_port()), "--data-dir",
+                            str(data)], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 2 and "is in use by another batchprompt server" in p.stderr, p.stderr
+    finally:
+        assert stop_server(srv) == 0, srv.output()
