@@ -1,11 +1,11 @@
 """batchprompt: run a language model over many independent prompts, fast and safely."""
-from .api import (Batch, BatchError, LanguageModel, Progress, Result, SessionDestroyedError, Usage,
-                  abatch_prompt, batch_prompt)
+from .api import (Batch, BatchError, EngineStoppedError, LanguageModel, Progress, Result,
+                  SessionDestroyedError, Usage, abatch_prompt, batch_prompt, shutdown)
 from .dynamic import BatchStats, DeadlineExceeded, QueueFull, dynamically
 from .engine import EngineConfig, EngineStats, LLMEngine, RequestOutput, SamplingParams
 from .models import ModelNotFoundError
 
 __version__ = "0.1.0"
 __all__ = ["Batch", "BatchError", "BatchStats", "DeadlineExceeded", "QueueFull", "dynamically", "EngineConfig", "EngineStats", "LLMEngine", "LanguageModel",
-           "ModelNotFoundError", "Progress", "RequestOutput", "Result", "SamplingParams",
-           "SessionDestroyedError", "Usage", "abatch_prompt", "batch_prompt"]
+           "EngineStoppedError", "ModelNotFoundError", "Progress", "RequestOutput", "Result", "SamplingParams",
+           "SessionDestroyedError", "Usage", "abatch_prompt", "batch_prompt", "shutdown"]

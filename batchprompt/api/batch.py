@@ -10,67 +10,31 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from concurrent.futures import Future
 from typing import AsyncIterator, Callable, Iterator
 
-from ..engine import RequestOutput, SamplingParams
-from .result import BatchError, Result, Usage
+from ..engine import RequestOutput
+from .callbacks import on_callback_thread
+from .items import Prepared, check_errors, to_result
+from .progress import Progress
+from .result import EngineStoppedError, Result
 from .service import EngineService, Item, Source
 from .structured import OutputSpec
 
-
-@dataclass(frozen=True)
-class Progress:
-    done: int
-    total: int
-    failed: int
-    completion_tokens: int
-    elapsed_s: float
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.completion_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-    @property
-    def eta_s(self) -> float | None:
-        """Seconds left at the rate so far; None before the first result."""
-        if not self.done:
-            return None
-        return self.elapsed_s / self.done * (self.total - self.done)
-
-    def __str__(self) -> str:
-        eta = "?" if self.eta_s is None else f"{self.eta_s:.0f}s"
-        return (f"{self.done}/{self.total} done ({self.failed} failed), "
-                f"{self.tokens_per_s:,.0f} tok/s, ETA {eta}")
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A prompt turned into token ids, or the reason it could not be."""
-
-    index: int
-    token_ids: list[int] | None
-    params: SamplingParams
-    error: str | None = None
-    spec: OutputSpec | None = None  # structured output: checks and parses the result
-
-
-def to_result(index: int, out: RequestOutput, spec: OutputSpec | None = None) -> Result:
-    cancelled = out.finish_reason == "abort"
-    result = Result(
-        index=index, text=out.text,
-        finish_reason="cancelled" if cancelled else out.finish_reason,
-        usage=Usage(len(out.prompt_token_ids), len(out.output_token_ids), out.num_cached_tokens),
-        error="cancelled before it finished" if cancelled else out.error,
-        logprobs=out.logprobs, token_ids=out.output_token_ids,
-    )
-    return spec.finish(result, out.choice_logprobs) if spec is not None else result
+log = logging.getLogger("batchprompt")
 
 
 class Batch:
+    """Results come in on the engine thread; `on_result`/`on_complete` callbacks run on the
+    service's callback thread. A batch is *finished* once every result is in and every callback
+    of the batch has run: `wait()`, `wait_async()` and iteration end only then. A waiter that
+    goes away (Ctrl-C in `wait()`, a cancelled task, leaving an iteration early) cancels what
+    has not finished, so the engine does not go on computing answers nobody reads."""
+
     def __init__(self, service: EngineService, prepared: list[Prepared], progress: bool = False,
                  group_by_prefix: bool = True):
         self._service = service
@@ -78,16 +42,22 @@ class Batch:
         self.total = len(prepared)
         self._group = group_by_prefix
         self._show_progress = progress
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # results, callbacks, subscribers and waiters
         self._results: list[Result | None] = [None] * self.total
         self._order: list[int] = []  # indices in completion order
         self._failed = self._tokens = 0
         self._subscribers: list[Callable[[int, Result], None]] = []
         self._on_result: list[Callable[[int, Result], None]] = []
         self._on_complete: list[Callable[[list[Result]], None]] = []
-        self._done = threading.Event()
-        self._start_lock = threading.Lock()  # start() and cancel() do not interleave
+        self._dispatched = False  # a callback of this batch went to the callback thread
+        self._done = threading.Event()  # every result is in
+        self._finished = threading.Event()  # ... and every callback of the batch has run
+        self._waiters: list[Callable[[], None]] = []  # called once finished
+        # start() and cancel() do not interleave; reentrant, because starting or cancelling
+        # delivers results, and a subscriber whose event loop has closed cancels from there.
+        self._start_lock = threading.RLock()
         self._source: Source | None = None
+        self._cancelling: Future | None = None
         self._started_at: float | None = None
         self._finished_at: float | None = None
         self._bar = None
@@ -95,12 +65,14 @@ class Batch:
     # ---- set-up ---------------------------------------------------------------------------
     def on_result(self, fn: Callable[[int, Result], None]) -> "Batch":
         """Call `fn(index, result)` for each result as it completes (on a callback thread)."""
-        self._on_result.append(fn)
+        with self._lock:
+            self._on_result.append(fn)
         return self
 
     def on_complete(self, fn: Callable[[list[Result]], None]) -> "Batch":
         """Call `fn(results)` once, when all are done, with the results in input order."""
-        self._on_complete.append(fn)
+        with self._lock:
+            self._on_complete.append(fn)
         return self
 
     def start(self) -> "Batch":
@@ -144,37 +116,82 @@ class Batch:
             self._failed += result.error is not None
             self._tokens += result.usage.completion_tokens
             complete = len(self._order) == self.total
-            subscribers = list(self._subscribers)
-        for fn in subscribers:
-            fn(result.index, result)
-        for fn in self._on_result:
-            self._service.dispatch(fn, result.index, result)
-        if self._bar is not None:
-            self._bar.update(1)
-            if self._failed:
-                self._bar.set_postfix(failed=self._failed, refresh=False)
-        if complete:
-            self._complete()
+            subscribers, on_result = list(self._subscribers), list(self._on_result)
+            self._dispatched |= bool(on_result)
+        try:
+            for fn in subscribers:  # ours, quick, and they do not raise
+                fn(result.index, result)
+            for fn in on_result:
+                self._service.dispatch(fn, result.index, result)
+            if self._bar is not None:
+                self._bar.update(1)
+                if self._failed:
+                    self._bar.set_postfix(failed=self._failed, refresh=False)
+        finally:  # whatever failed above, the batch completes
+            if complete:
+                self._complete()
 
     def _complete(self) -> None:
-        self._finished_at = time.monotonic()
+        with self._lock:
+            self._finished_at = time.monotonic()
+            results = list(self._results)
+            on_complete = list(self._on_complete)
+            through_callbacks = self._dispatched or bool(on_complete)
         if self._bar is not None:
             self._bar.close()
-        results = list(self._results)
-        for fn in self._on_complete:
+        for fn in on_complete:
             self._service.dispatch(fn, results)
         self._done.set()
+        if through_callbacks:  # queued behind this batch's callbacks: runs after them
+            self._service.dispatch(self._finish)
+        else:
+            self._finish()
 
+    def _finish(self) -> None:
+        with self._lock:
+            self._finished.set()
+            waiters, self._waiters = self._waiters, []
+        for fn in waiters:
+            fn()
+
+    def _when_finished(self, fn: Callable[[], None]) -> None:
+        """Call `fn` once the batch is finished: now if it is, else from whoever finishes it.
+        Registration and finishing share one lock, so no waiter is missed."""
+        with self._lock:
+            if not self._finished.is_set():
+                self._waiters.append(fn)
+                return
+        fn()
+
+    # ---- cancel ---------------------------------------------------------------------------
     def cancel(self) -> None:
-        """Stop what has not finished (those results say 'cancelled'); keep what has."""
+        """Stop what has not finished (those results say 'cancelled'); keep what has. Returns
+        once the engine has dropped the rest."""
+        fut = self._request_cancel()
+        if fut is not None:
+            try:
+                fut.result()
+            except EngineStoppedError:  # the stopped service has answered every item already
+                pass
+
+    def _request_cancel(self) -> Future | None:
+        """Ask the engine thread to cancel, without waiting for it (safe on any thread)."""
         with self._start_lock:
             if self._started_at is None:
                 self._cancel_unstarted()
-        if self._source.cancelled:
-            return
-        def on_pending(item: Item) -> None:
-            item.on_done(RequestOutput("", item.token_ids, [], "", "abort"))
-        self._service.cancel(self._source, on_pending).result()
+                return None
+            if self._cancelling is None and not self._done.is_set():
+                def on_pending(item: Item) -> None:
+                    item.on_done(RequestOutput("", item.token_ids, [], "", "abort"))
+                self._cancelling = self._service.cancel(self._source, on_pending)
+            return self._cancelling
+
+    def _abandon(self) -> None:
+        """The waiter went away (Ctrl-C, a cancelled task, an iteration left early)."""
+        try:
+            self._request_cancel()
+        except Exception:  # noqa: BLE001  (never hide the exception the waiter is leaving with)
+            log.exception("could not cancel an abandoned batch")
 
     def _cancel_unstarted(self) -> None:
         self._started_at = time.monotonic()
@@ -184,6 +201,7 @@ class Batch:
         if self.total == 0:
             self._complete()
 
+    # ---- state ----------------------------------------------------------------------------
     @property
     def done(self) -> bool:
         return self._done.is_set()
@@ -201,22 +219,39 @@ class Batch:
         with self._lock:
             return list(self._results)
 
+    # ---- waiting --------------------------------------------------------------------------
     def wait(self, timeout: float | None = None, errors: str = "return") -> list[Result]:
-        """Start if needed, block until every result is in, return them in input order.
-        errors="raise" raises BatchError (naming the failed indices) instead, if any failed."""
-        self.start()
-        if not self._done.wait(timeout):
+        """Start if needed, block until every result is in and every callback of the batch has
+        run, return the results in input order. errors="raise" raises BatchError (naming the
+        failed indices) instead, if any failed. Ctrl-C here cancels what has not finished.
+        Called inside a callback (where the other callbacks cannot run until it returns), it
+        waits for the results only."""
+        try:
+            self.start()
+            finished = (self._done if on_callback_thread() else self._finished).wait(timeout)
+        except BaseException:  # Ctrl-C: nobody will read the rest
+            self._abandon()
+            raise
+        if not finished:  # not a cancel: the caller may wait again
             raise TimeoutError(f"the batch did not finish within {timeout}s ({self.progress})")
-        return check_errors(list(self._results), errors)
+        return check_errors(self.results, errors)
 
     async def wait_async(self, errors: str = "return") -> list[Result]:
+        """wait() for asyncio. Cancelling the awaiting task (task.cancel(), a timeout of
+        asyncio.wait_for) cancels what has not finished."""
+        await self._finished_async()
+        return check_errors(self.results, errors)
+
+    async def _finished_async(self) -> None:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self.on_complete(lambda results: loop.call_soon_threadsafe(_set, fut, results))
-        self.start()
-        if self._done.is_set() and not fut.done():
-            fut.set_result(list(self._results))
-        return check_errors(await fut, errors)
+        self._when_finished(lambda: _call_soon(loop, _set, fut, None))
+        try:
+            self.start()
+            await fut
+        except BaseException:  # CancelledError: the task went away
+            self._abandon()
+            raise
 
     # ---- iteration, as completed ----------------------------------------------------------
     def _subscribe(self, fn: Callable[[int, Result], None]) -> list[int]:
@@ -224,37 +259,65 @@ class Batch:
             self._subscribers.append(fn)
             return list(self._order)
 
+    def _unsubscribe(self, fn: Callable[[int, Result], None]) -> None:
+        with self._lock:
+            if fn in self._subscribers:
+                self._subscribers.remove(fn)
+
     def __iter__(self) -> Iterator[tuple[int, Result]]:
+        """Results as they complete. Leaving early (break, an exception, Ctrl-C) cancels the rest."""
         q: queue.SimpleQueue = queue.SimpleQueue()
-        seen = self._subscribe(lambda i, r: q.put((i, r)))
-        self.start()
-        for i in seen:
-            yield i, self._results[i]
-        for _ in range(self.total - len(seen)):
-            yield q.get()
+        put = lambda i, r: q.put((i, r))  # noqa: E731
+        seen = self._subscribe(put)
+        try:
+            self.start()
+            for i in seen:
+                yield i, self._results[i]
+            for _ in range(self.total - len(seen)):
+                yield q.get()
+            if not on_callback_thread():
+                self._finished.wait()
+        finally:
+            self._unsubscribe(put)
+            if not self._done.is_set():
+                self._abandon()
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, Result]]:
+        """Results as they complete, in asyncio. Leaving early cancels the rest."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        seen = self._subscribe(lambda i, r: loop.call_soon_threadsafe(q.put_nowait, (i, r)))
-        self.start()
-        for i in seen:
-            yield i, self._results[i]
-        for _ in range(self.total - len(seen)):
-            yield await q.get()
+
+        def put(i: int, r: Result) -> None:  # on the engine thread
+            if not _call_soon(loop, q.put_nowait, (i, r)):  # the loop closed: nobody reads on
+                self._unsubscribe(put)
+                self._abandon()
+
+        seen = self._subscribe(put)
+        try:
+            self.start()
+            for i in seen:
+                yield i, self._results[i]
+            for _ in range(self.total - len(seen)):
+                yield await q.get()
+            await self._finished_async()
+        finally:
+            self._unsubscribe(put)
+            if not self._done.is_set():
+                self._abandon()
 
     def __len__(self) -> int:
         return self.total
 
 
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> bool:
+    """loop.call_soon_threadsafe, or False where the loop has closed (its waiter is gone)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+        return True
+    except RuntimeError:
+        return False
+
+
 def _set(fut: asyncio.Future, value) -> None:
     if not fut.done():
         fut.set_result(value)
-
-
-def check_errors(results: list[Result], errors: str) -> list[Result]:
-    if errors not in ("return", "raise"):
-        raise ValueError(f"errors must be 'return' (failed items carry .error) or 'raise', got {errors!r}")
-    if errors == "raise" and any(r.error is not None and r.finish_reason != "cancelled" for r in results):
-        raise BatchError(results)
-    return results

@@ -58,3 +58,8 @@ class BatchError(Exception):
 
 class SessionDestroyedError(RuntimeError):
     pass
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine behind a session was shut down, or its thread failed; its message says which.
+    A new session (or the next `batch_prompt`) starts a fresh engine."""

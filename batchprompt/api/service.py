@@ -9,12 +9,17 @@ the scheduler's call and follows free KV memory.
 
 Callbacks given with items run on the engine thread and must be quick; user callbacks go
 through `dispatch`, a second thread, so a slow callback never stalls the engine.
+
+Every item is answered exactly once, whatever fails: a prompt the engine refuses to queue
+fails alone; a result handler that raises is called again with an error; and if the engine
+thread itself dies, or the service is shut down, every item still waiting is answered with
+the reason, the service leaves the registry, and the next caller gets a fresh engine.
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -23,8 +28,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..engine import LLMEngine, RequestOutput, SamplingParams
+from .callbacks import CallbackThread
+from .result import EngineStoppedError
 
 log = logging.getLogger("batchprompt")
+
+SHUT_DOWN = "the engine was shut down (bp.shutdown() or LanguageModel.close())"
 
 
 @dataclass(eq=False)
@@ -48,7 +57,8 @@ class Source:
 
 class EngineService:
     def __init__(self, engine: LLMEngine, name: str = "model", lookahead_s: float = 2.0):
-        self.engine, self.name = engine, name
+        self._engine: LLMEngine | None = engine
+        self.name = name
         self.lookahead_s = lookahead_s
         self._cond = threading.Condition()
         self._sources: deque[Source] = deque()
@@ -56,25 +66,47 @@ class EngineService:
         self._in_engine: dict[str, tuple[Source, Item]] = {}
         self._ids = itertools.count()
         self._rate = 0.0  # requests finished per second, smoothed
-        self._callbacks: queue.SimpleQueue = queue.SimpleQueue()
+        self._sessions: set[str] = set()  # names of the sessions' pinned prefixes
+        self._stopping = False
+        self.stop_reason: str | None = None  # why the service stopped, once it has
+        self._callbacks = CallbackThread(f"batchprompt-callbacks-{name}")
+        self._dispatcher = self._callbacks.thread
         self._thread = threading.Thread(target=self._loop, name=f"batchprompt-engine-{name}", daemon=True)
-        self._dispatcher = threading.Thread(target=self._dispatch_loop, name=f"batchprompt-callbacks-{name}",
-                                            daemon=True)
         self._thread.start()
-        self._dispatcher.start()
+
+    @property
+    def engine(self) -> LLMEngine:
+        engine = self._engine
+        if engine is None:  # released when the service stopped
+            raise EngineStoppedError(f"{self.stop_reason}; create a new session with LanguageModel.create(...)")
+        return engine
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopping
 
     # ---- callers' side (any thread) --------------------------------------------------------
     def submit(self, source: Source) -> None:
+        """Queue `source`'s items. On a stopped service each is answered at once with the reason."""
         with self._cond:
-            self._sources.append(source)
-            self._cond.notify()
+            if not self._stopping:
+                self._sources.append(source)
+                self._cond.notify()
+                return
+        while source.items:
+            item = source.items.popleft()
+            self._answer(item, _stopped_output(item, self.stop_reason, None))
 
     def call(self, fn: Callable[[], Any]) -> Future:
-        """Run `fn` on the engine thread, between steps; its result comes back in the future."""
+        """Run `fn` on the engine thread, between steps; its result comes back in the future
+        (an EngineStoppedError once the service has stopped)."""
         fut: Future = Future()
         with self._cond:
-            self._commands.append((fn, fut))
-            self._cond.notify()
+            if not self._stopping:
+                self._commands.append((fn, fut))
+                self._cond.notify()
+                return fut
+        fut.set_exception(EngineStoppedError(self.stop_reason))
         return fut
 
     def cancel(self, source: Source, on_pending: Callable[[Item], None]) -> Future:
@@ -89,28 +121,70 @@ class EngineService:
         return self.call(run)
 
     def dispatch(self, fn: Callable, *args) -> None:
-        """Run a user callback on the callback thread, in the order dispatched."""
-        self._callbacks.put((fn, args))
+        """Run a user callback on the callback thread, in the order dispatched (once the service
+        has stopped, at once on this thread)."""
+        self._callbacks.dispatch(fn, *args)
+
+    def add_session(self, name: str) -> None:
+        with self._cond:
+            self._sessions.add(name)
+
+    def close_session(self, name: str) -> None:
+        """Forget a session and release its pinned prefix (on the engine thread)."""
+        with self._cond:
+            self._sessions.discard(name)
+        self.call(lambda: self.engine.unpin(name))
+
+    @property
+    def open_sessions(self) -> int:
+        return len(self._sessions)
 
     @property
     def in_flight(self) -> int:
         return len(self._in_engine)
 
+    def shutdown(self) -> None:
+        """Stop both threads, answer every waiting item ('cancelled': the engine was shut down),
+        leave the registry and drop the engine, so its weights and KV cache can be freed (unless
+        the caller holds the engine). Returns once the threads have ended, except for the one it
+        is called on."""
+        _unregister(self)
+        with self._cond:
+            if not self._stopping:
+                self._stopping, self.stop_reason = True, SHUT_DOWN
+            self._cond.notify()
+        current = threading.current_thread()
+        if current is self._thread:  # a command: the loop ends when it returns
+            return
+        self._thread.join()
+        if current is not self._dispatcher:
+            self._dispatcher.join()
+
     # ---- engine thread ----------------------------------------------------------------------
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not (self._commands or self._sources or self.engine.has_unfinished()):
-                    self._cond.wait()
-                commands, self._commands = self._commands, []
-            for fn, fut in commands:
-                try:
-                    fut.set_result(fn())
-                except BaseException as e:  # noqa: BLE001  (handed to the caller)
-                    fut.set_exception(e)
-            self._feed()
-            if self.engine.has_unfinished():
-                self._step()
+        failure = None  # why the loop died, as text: the exception's traceback holds the engine
+        try:
+            while True:
+                with self._cond:
+                    while not (self._commands or self._sources or self._stopping or self.engine.has_unfinished()):
+                        self._cond.wait()
+                    commands, self._commands = self._commands, []
+                for fn, fut in commands:
+                    if not fut.set_running_or_notify_cancel():  # the caller cancelled it
+                        continue
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as e:  # noqa: BLE001  (handed to the caller)
+                        fut.set_exception(e)
+                if self._stopping:
+                    break
+                self._feed()
+                if self.engine.has_unfinished():
+                    self._step()
+        except BaseException as e:  # noqa: BLE001  (the loop cannot go on: answer everyone, below)
+            log.exception("the engine thread failed; its requests fail and the next call starts a fresh engine")
+            failure = f"{type(e).__name__}: {e}"
+        self._end(failure)
 
     def _window(self) -> int:
         cfg = self.engine.config
@@ -118,6 +192,7 @@ class EngineService:
 
     def _feed(self) -> None:
         room = self._window() - len(self._in_engine)
+        refused: list[tuple[Item, RequestOutput]] = []
         with self._cond:
             while room > 0 and self._sources:
                 source = self._sources[0]
@@ -126,11 +201,28 @@ class EngineService:
                     continue
                 item = source.items.popleft()
                 self._sources.rotate(-1)
-                item.request_id = f"{self.name}-{next(self._ids)}"
-                source.in_engine[item.request_id] = item
-                self._in_engine[item.request_id] = (source, item)
-                self.engine.add_request(item.token_ids, item.params, item.request_id)
+                item.request_id = rid = f"{self.name}-{next(self._ids)}"
+                try:
+                    self.engine.add_request(item.token_ids, item.params, rid)
+                except Exception as e:  # noqa: BLE001  (e.g. a grammar's tokenizer cannot be built)
+                    log.exception("the engine refused a request")
+                    self._discard(rid)
+                    refused.append((item, RequestOutput(rid, item.token_ids, [], "", "error", error=(
+                        f"the engine could not queue this prompt: {type(e).__name__}: {e}"))))
+                    continue
+                source.in_engine[rid] = item
+                self._in_engine[rid] = (source, item)
                 room -= 1
+        for item, out in refused:
+            self._answer(item, out)
+
+    def _discard(self, rid: str) -> None:
+        """Drop a request the engine may hold half-added, so it is not stepped for ever (its
+        'abort' output comes back from a step and is ignored: it is no longer ours)."""
+        try:
+            self.engine.abort(rid)
+        except Exception:  # noqa: BLE001
+            log.exception("could not drop a request the engine refused")
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -140,37 +232,87 @@ class EngineService:
             log.exception("engine step failed")
             outputs = []
             for rid, (_, item) in list(self._in_engine.items()):
-                try:
-                    self.engine.abort(rid)
-                except Exception:  # noqa: BLE001
-                    pass
+                self._discard(rid)
                 outputs.append(RequestOutput(rid, item.token_ids, [], "", "error",
                                              error=f"the engine failed: {type(e).__name__}: {e}"))
         dt = max(time.perf_counter() - t0, 1e-6)
         self._rate = 0.9 * self._rate + 0.1 * (len(outputs) / dt)
         for out in outputs:
             entry = self._in_engine.pop(out.request_id, None)
-            if entry is None:  # already answered (after an engine failure)
+            if entry is None:  # already answered (after an engine failure), or not ours
                 continue
             source, item = entry
             source.in_engine.pop(out.request_id, None)
-            try:
-                item.on_done(out)
-            except Exception:  # noqa: BLE001
-                log.exception("a result handler failed")
+            self._answer(item, out)
 
-    def _dispatch_loop(self) -> None:
-        while True:
-            fn, args = self._callbacks.get()
+    def _answer(self, item: Item, out: RequestOutput) -> None:
+        """Hand `out` to the item's handler. A handler that raises is called once more with an
+        error output, so that its item is still answered (a caller may be waiting on it)."""
+        try:
+            item.on_done(out)
+            return
+        except Exception as e:  # noqa: BLE001
+            log.exception("a result handler failed")
+            error = f"the result could not be handled: {type(e).__name__}: {e}"
+        try:
+            item.on_done(RequestOutput(out.request_id, item.token_ids, [], "", "error", error=error))
+        except Exception:  # noqa: BLE001
+            log.exception("a result handler failed on an error output too")
+
+    def _end(self, failure: str | None) -> None:
+        """The loop is over (shut down, or failed): answer every item still waiting, fail the
+        commands, release the sessions' prefixes, and let go of the engine."""
+        with self._cond:
+            if not self._stopping:
+                self._stopping = True
+                self.stop_reason = f"the engine stopped: {failure} (the next call starts a fresh engine)"
+            commands, self._commands = self._commands, []
+            sources, self._sources = list(self._sources), deque()
+            sessions, self._sessions = list(self._sessions), set()
+            in_engine, self._in_engine = list(self._in_engine.values()), {}
+        _unregister(self)
+        for _, fut in commands:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineStoppedError(self.stop_reason))
+        engine = self._engine
+        for source, item in in_engine:
+            source.in_engine.pop(item.request_id, None)
+            self._discard(item.request_id)
+            self._answer(item, _stopped_output(item, self.stop_reason, item.request_id))
+        for source in sources:
+            source.cancelled = True
+            while source.items:
+                item = source.items.popleft()
+                self._answer(item, _stopped_output(item, self.stop_reason, None))
+        for name in sessions:  # matters where the caller owns the engine and goes on using it
             try:
-                fn(*args)
-            except Exception:  # noqa: BLE001  (a user's callback must not stop the others)
-                log.exception("a batch callback raised")
+                engine.unpin(name)
+            except Exception:  # noqa: BLE001
+                log.exception("could not release a session's prefix")
+        self._engine = engine = None
+        _free_memory()
+        self._callbacks.close()  # after the callbacks of the answers above
+
+
+def _stopped_output(item: Item, reason: str | None, rid: str | None) -> RequestOutput:
+    """What an item gets when the service stops under it: 'abort' after a shutdown (a cancel
+    the user asked for), 'error' when the engine failed."""
+    return RequestOutput(rid or "", item.token_ids, [], "", "abort" if reason == SHUT_DOWN else "error",
+                         error=reason)
+
+
+def _free_memory() -> None:
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 # ---- one service per model in a process ---------------------------------------------------------
 _services: dict[tuple, EngineService] = {}
 _services_lock = threading.Lock()
+_service_ids = itertools.count()  # never reused: request ids stay unique within a shared engine
 
 
 def get_service(model: str | LLMEngine | None = None, *, device: str = "auto", dtype: str = "auto",
@@ -186,12 +328,39 @@ def get_service(model: str | LLMEngine | None = None, *, device: str = "auto", d
         key = (str(source.path), device, str(dtype))
     with _services_lock:
         service = _services.get(key)
-        if service is None:
+        if service is None or service.stopped:
             if isinstance(model, LLMEngine):
                 engine, name = model, "engine"
             else:
                 engine = LLMEngine.from_pretrained(str(source.path), device=device, dtype=dtype,
                                                    **(engine_options or {}))
                 name = source.name
-            service = _services[key] = EngineService(engine, name=f"{name}-{len(_services)}")
+            service = _services[key] = EngineService(engine, name=f"{name}-{next(_service_ids)}")
         return service
+
+
+def _unregister(service: EngineService) -> None:
+    with _services_lock:
+        for key in [k for k, s in _services.items() if s is service]:
+            del _services[key]
+
+
+def shutdown(model: str | LLMEngine | None = None) -> int:
+    """Release engines: every one in the process (model=None), or those of one model (as
+    given to `LanguageModel.create`: an id, a path, 'smollm2-135m', or an LLMEngine). Work still
+    waiting on them is cancelled ('the engine was shut down'), their threads end, and their
+    weights and KV cache are freed unless you hold the engine yourself; sessions on them raise
+    EngineStoppedError; the next call builds a fresh engine. Returns how many were released."""
+    with _services_lock:
+        services = list(dict.fromkeys(_services.values()))
+    if model is not None:
+        if isinstance(model, LLMEngine):
+            services = [s for s in services if s._engine is model]
+        else:
+            from ..models import resolve_model
+            path = str(resolve_model(model).path)
+            with _services_lock:
+                services = list(dict.fromkeys(s for k, s in _services.items() if k[0] == path))
+    for service in services:
+        service.shutdown()
+    return len(services)

@@ -4,6 +4,7 @@
     results = lm.batch_prompt(prompts, max_tokens=8)
     text = lm.prompt("one prompt")
     other = lm.clone(); lm.destroy()
+    other.close()  # destroy(), and release the engine if no other open session uses it
 
 The session's prefix (the chat template up to the first user turn: system prompt and any
 initial messages) is computed once when the session is created and stays pinned in the
@@ -18,9 +19,11 @@ from concurrent.futures import Future
 from typing import Any, Iterable, Sequence
 
 from ..engine import LLMEngine, RequestOutput, SamplingParams
-from .batch import Batch, Prepared, check_errors
+from .batch import Batch
+from .items import Prepared, check_errors
+from .messages import check_messages
 from .options import GenerationOptions
-from .result import Result, SessionDestroyedError
+from .result import EngineStoppedError, Result, SessionDestroyedError
 from .service import EngineService, Item, Source, get_service
 
 Message = dict[str, str]
@@ -46,6 +49,7 @@ class LanguageModel:
             self.pinned_tokens = service.call(lambda: service.engine.copy_pin(_pin_from, self._name)).result()
         else:
             self.pinned_tokens = self._compute_prefix()
+        service.add_session(self._name)
         self._finalizer = weakref.finalize(self, _unpin, service, self._name)
 
     @classmethod
@@ -104,6 +108,9 @@ class LanguageModel:
         if self._destroyed:
             raise SessionDestroyedError("this session was destroyed; create a new one with "
                                         "LanguageModel.create(...) or clone() a live one")
+        if self._service.stopped:
+            raise EngineStoppedError(f"this session's engine is gone ({self._service.stop_reason}); "
+                                     f"create a new session with LanguageModel.create(...)")
 
     def _prepare(self, prompts: Iterable[Prompt], options: dict[str, Any]) -> list[Prepared]:
         self._check_alive()
@@ -164,6 +171,14 @@ class LanguageModel:
             self._destroyed = True
         self._finalizer()
 
+    def close(self) -> None:
+        """destroy(), and release the engine (threads, weights, KV cache) if no other open
+        session uses it; work still running on it is then cancelled. `bp.shutdown()` releases
+        engines whatever uses them. The next session on the model builds a fresh engine."""
+        self.destroy()
+        if self._service.open_sessions == 0:
+            self._service.shutdown()
+
     def __enter__(self) -> "LanguageModel":
         return self
 
@@ -180,7 +195,7 @@ class LanguageModel:
 
 
 def _unpin(service: EngineService, name: str) -> None:
-    service.call(lambda: service.engine.unpin(name))
+    service.close_session(name)
 
 
 def _text(result: Result) -> str:
@@ -190,7 +205,6 @@ def _text(result: Result) -> str:
 
 
 def _check_messages(messages: list, what: str) -> list[Message]:
-    for m in messages:
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise ValueError(f"{what}: each message must be a dict with string 'role' and 'content', got {m!r}")
-    return [dict(m) for m in messages]
+    # The rules live in messages.py, shared with the jobs reader. A session may start with no
+    # initial turns; a prompt given as messages needs at least one.
+    return check_messages(messages, what, allow_empty=what == "initial_prompts")

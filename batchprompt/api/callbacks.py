@@ -1,0 +1,60 @@
+"""CallbackThread: runs the batches' user callbacks one after another, off the engine thread.
+
+Waiters rely on it: a batch is finished once a marker queued behind its callbacks has run. So
+the thread survives any callback (even one that raises SystemExit), and once it is closed a
+callback runs at once on the caller's thread instead of waiting in a queue nobody reads.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Callable
+
+log = logging.getLogger("batchprompt")
+
+_local = threading.local()
+
+
+def on_callback_thread() -> bool:
+    """True inside a user callback: waiting there for other callbacks would wait for itself."""
+    return getattr(_local, "active", False)
+
+
+class CallbackThread:
+    def __init__(self, name: str):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def dispatch(self, fn: Callable, *args) -> None:
+        """Run `fn(*args)` on the thread, after everything dispatched before it."""
+        with self._lock:
+            if not self._closed:
+                self._queue.put((fn, args))
+                return
+        _run(fn, args)
+
+    def close(self) -> None:
+        """End the thread once it has run what was dispatched before this call."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._queue.put(None)
+
+    def _loop(self) -> None:
+        _local.active = True
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            _run(*job)
+
+
+def _run(fn: Callable, args: tuple) -> None:
+    try:
+        fn(*args)
+    except BaseException:  # noqa: BLE001  (even SystemExit: the thread serves every batch's waiters)
+        log.exception("a batch callback raised")

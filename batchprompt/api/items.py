@@ -1,0 +1,40 @@
+"""Between the batch API and the engine: a prompt prepared for the engine, an engine output
+turned into a Result, and what errors="raise" raises."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..engine import RequestOutput, SamplingParams
+from .result import BatchError, Result, Usage
+from .structured import OutputSpec
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A prompt turned into token ids, or the reason it could not be."""
+
+    index: int
+    token_ids: list[int] | None
+    params: SamplingParams
+    error: str | None = None
+    spec: OutputSpec | None = None  # structured output: checks and parses the result
+
+
+def to_result(index: int, out: RequestOutput, spec: OutputSpec | None = None) -> Result:
+    cancelled = out.finish_reason == "abort"
+    result = Result(
+        index=index, text=out.text,
+        finish_reason="cancelled" if cancelled else out.finish_reason,
+        usage=Usage(len(out.prompt_token_ids), len(out.output_token_ids), out.num_cached_tokens),
+        error=(out.error or "cancelled before it finished") if cancelled else out.error,
+        logprobs=out.logprobs, token_ids=out.output_token_ids,
+    )
+    return spec.finish(result, out.choice_logprobs) if spec is not None else result
+
+
+def check_errors(results: list[Result], errors: str) -> list[Result]:
+    if errors not in ("return", "raise"):
+        raise ValueError(f"errors must be 'return' (failed items carry .error) or 'raise', got {errors!r}")
+    if errors == "raise" and any(r.error is not None and r.finish_reason != "cancelled" for r in results):
+        raise BatchError(results)
+    return results

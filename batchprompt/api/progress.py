@@ -1,0 +1,29 @@
+"""Progress: how far a batch has come, and how long the rest should take."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Progress:
+    done: int
+    total: int
+    failed: int
+    completion_tokens: int
+    elapsed_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at the rate so far; None before the first result."""
+        if not self.done:
+            return None
+        return self.elapsed_s / self.done * (self.total - self.done)
+
+    def __str__(self) -> str:
+        eta = "?" if self.eta_s is None else f"{self.eta_s:.0f}s"
+        return (f"{self.done}/{self.total} done ({self.failed} failed), "
+                f"{self.tokens_per_s:,.0f} tok/s, ETA {eta}")

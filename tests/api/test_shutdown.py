@@ -1,0 +1,107 @@
+"""Releasing engines: bp.shutdown() and LanguageModel.close(); device= and dtype= on every
+entry point. These build engines of their own (the embedded model, a small KV cache)."""
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+
+import batchprompt as bp
+import batchprompt.api.session as session_module
+from batchprompt.api.service import get_service
+
+from ..conftest import SPAM_SYSTEM
+
+pytestmark = pytest.mark.slow
+
+SMALL = {"kv_cache_memory": 64 << 20, "max_num_batched_tokens": 256}
+
+
+def test_device_dtype_and_engine_options_reach_the_engine_from_every_entry_point(engine32, monkeypatch,
+                                                                                 messages):
+    calls = []
+
+    def spy(model, **kwargs):
+        calls.append((model, kwargs))
+        return real(engine32)
+
+    real = session_module.get_service
+    monkeypatch.setattr(session_module, "get_service", spy)
+    given = {"device": "cpu", "dtype": "float32", "engine_options": {"max_num_seqs": 8}}
+    assert bp.batch_prompt(messages[:1], model="smollm2-135m", max_tokens=2, **given)[0].ok
+    assert asyncio.run(bp.abatch_prompt(messages[:1], model="smollm2-135m", max_tokens=2, **given))[0].ok
+    bp.LanguageModel.create(model="smollm2-135m", **given).destroy()
+    assert calls == [("smollm2-135m", given)] * 3
+
+
+def _hold_first_step_until_stopped(service):
+    """The first step waits (at most 10 s) until the service is stopping, so that work is
+    still in the engine when shutdown comes. Wraps the service, never the engine, which the
+    test wants to see freed."""
+    real, stepped = service._step, threading.Event()
+
+    def step():
+        if not stepped.is_set():
+            stepped.set()
+            for _ in range(100):
+                if service.stopped:
+                    break
+                time.sleep(0.1)
+        real()
+
+    service._step = step
+    return stepped
+
+
+def test_shutdown_cancels_waiters_frees_the_engine_and_the_next_call_builds_a_fresh_one(messages):
+    first = bp.batch_prompt(messages[:2], system=SPAM_SYSTEM, device="cpu", dtype="float32",
+                            engine_options=SMALL, max_tokens=3)
+    assert all(r.ok for r in first)
+    service = get_service("smollm2-135m", device="cpu", dtype="float32")  # the one batch_prompt built
+    assert next(service.engine.model.parameters()).dtype == torch.float32
+    engine = weakref.ref(service.engine)
+    lm = bp.LanguageModel.create(system=SPAM_SYSTEM, device="cpu", dtype="float32", max_tokens=40)
+    assert lm._service is service
+    stepped = _hold_first_step_until_stopped(service)
+    pending = lm.create_batch(messages[:12]).start()
+    assert stepped.wait(60)
+
+    assert bp.shutdown("smollm2-135m") >= 1
+    results = pending.wait(timeout=60)  # answered at once, not left waiting
+    cancelled = [r for r in results if not r.ok]
+    assert cancelled and {(r.finish_reason, r.error) for r in cancelled} == {
+        ("cancelled", "the engine was shut down (bp.shutdown() or LanguageModel.close())")}
+    assert not service._thread.is_alive() and not service._dispatcher.is_alive()
+    gc.collect()
+    assert engine() is None, "the engine (weights, KV cache) is still referenced"
+    with pytest.raises(bp.EngineStoppedError, match="shut down.*create a new session"):
+        lm.prompt(messages[0])
+
+    again = bp.batch_prompt(messages[:2], system=SPAM_SYSTEM, device="cpu", dtype="float32",
+                            engine_options=SMALL, max_tokens=3)
+    assert [r.text for r in again] == [r.text for r in first]
+    fresh = get_service("smollm2-135m", device="cpu", dtype="float32")
+    assert fresh is not service
+    assert bp.shutdown("smollm2-135m") >= 1 and fresh.stopped
+
+
+def test_close_releases_the_engine_once_no_other_session_uses_it(messages):
+    lm = bp.LanguageModel.create(system=SPAM_SYSTEM, model="smollm2-135m", device="cpu", dtype="bfloat16",
+                                 engine_options=SMALL, max_tokens=3)
+    service = lm._service
+    assert next(service.engine.model.parameters()).dtype == torch.bfloat16
+    engine = weakref.ref(service.engine)
+    other = lm.clone()
+    lm.close()
+    assert not service.stopped and other.prompt(messages[0])  # the clone still uses it
+    other.close()
+    assert service.stopped and not service._thread.is_alive() and not service._dispatcher.is_alive()
+    gc.collect()
+    assert engine() is None
+    with pytest.raises(bp.SessionDestroyedError):
+        other.prompt(messages[0])
