@@ -1,11 +1,12 @@
 """batchprompt: run a language model over many independent prompts, fast and safely."""
 from .api import (Batch, BatchError, EngineStoppedError, LanguageModel, Progress, Result,
                   SessionDestroyedError, Usage, abatch_prompt, batch_prompt, shutdown)
-from .dynamic import BatchStats, DeadlineExceeded, QueueFull, dynamically
+from .dynamic import BatchStats, DeadlineExceeded, QueueFull, WorkerDied, dynamically
 from .engine import EngineConfig, EngineStats, LLMEngine, RequestOutput, SamplingParams
 from .models import ModelNotFoundError
 
 __version__ = "0.1.0"
-__all__ = ["Batch", "BatchError", "BatchStats", "DeadlineExceeded", "QueueFull", "dynamically", "EngineConfig", "EngineStats", "LLMEngine", "LanguageModel",
-           "EngineStoppedError", "ModelNotFoundError", "Progress", "RequestOutput", "Result", "SamplingParams",
-           "SessionDestroyedError", "Usage", "abatch_prompt", "batch_prompt", "shutdown"]
+__all__ = ["Batch", "BatchError", "BatchStats", "DeadlineExceeded", "EngineConfig", "EngineStats", "EngineStoppedError",
+           "LLMEngine", "LanguageModel", "ModelNotFoundError", "Progress", "QueueFull", "RequestOutput", "Result",
+           "SamplingParams", "SessionDestroyedError", "Usage", "WorkerDied", "abatch_prompt", "batch_prompt",
+           "dynamically", "shutdown"]
