@@ -27,7 +27,7 @@ def to_result(index: int, out: RequestOutput, spec: OutputSpec | None = None) ->
         finish_reason="cancelled" if cancelled else out.finish_reason,
         usage=Usage(len(out.prompt_token_ids), len(out.output_token_ids), out.num_cached_tokens),
         error=(out.error or "cancelled before it finished") if cancelled else out.error,
-        logprobs=out.logprobs, token_ids=out.output_token_ids,
+        logprobs=out.logprobs, top_logprobs=out.top_logprobs, token_ids=out.output_token_ids,
     )
     return spec.finish(result, out.choice_logprobs) if spec is not None else result
 

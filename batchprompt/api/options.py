@@ -10,11 +10,21 @@ from .structured import OutputSpec
 STRUCTURED = ("choices", "choice_mode", "regex", "json_schema", "response_format", "grammar")
 
 #: The batch API decodes greedily unless asked otherwise: bulk jobs want reproducible answers.
+#: (The engine's SamplingParams keeps vLLM's defaults: temperature 1.0, max_tokens 16.)
 DEFAULT_MAX_TOKENS = 256
+#: Options passed to SamplingParams as they are (it checks them).
+SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "top_logprobs",
+            "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+            "logit_bias", "include_stop_str_in_output", "best_of")
 
 
 @dataclass(frozen=True)
 class GenerationOptions:
+    """Per-call options. Defaults are the batch API's: greedy (temperature 0) and 256 tokens,
+    where the engine's SamplingParams keeps vLLM's 1.0 and 16. The sampling options mean what
+    they mean in SamplingParams; `best_of` generates that many samples and returns the one with
+    the highest cumulative log-prob."""
+
     max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
@@ -22,6 +32,15 @@ class GenerationOptions:
     seed: int | None = None
     stop: tuple[str, ...] | str = ()
     logprobs: bool = False
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: Any = None  # {token id: bias}
+    include_stop_str_in_output: bool = False
+    best_of: int | None = None
     # Structured output (see OutputSpec): at most one of choices, regex, json_schema,
     # response_format (OpenAI's shape, or a pydantic class) and grammar (Lark).
     choices: tuple[str, ...] | list[str] | None = None
@@ -54,8 +73,7 @@ class GenerationOptions:
         return OutputSpec.from_options(**{k: getattr(self, k) for k in STRUCTURED})
 
     def base_params(self) -> SamplingParams:
-        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, stop=self.stop, logprobs=self.logprobs)
+        return SamplingParams(**{k: getattr(self, k) for k in SAMPLING})
 
     def sampling_params(self, tokenizer=None) -> tuple[SamplingParams, OutputSpec | None]:
         """The engine parameters and the structured-output spec that checks the results."""

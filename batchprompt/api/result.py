@@ -30,6 +30,8 @@ class Result:
     usage: Usage = field(default_factory=Usage)
     error: str | None = None
     logprobs: list[float] | None = None
+    # per position, the most likely tokens and their log-probs (top_logprobs=k), else None
+    top_logprobs: list[list[tuple[int, float]]] | None = field(default=None, repr=False)
     token_ids: list[int] = field(default_factory=list, repr=False)
     parsed: Any = None
     choice_probs: dict[str, float] | None = None

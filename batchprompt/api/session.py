@@ -21,7 +21,7 @@ from typing import Any, Iterable, Sequence
 from ..engine import LLMEngine, RequestOutput, SamplingParams
 from .batch import Batch
 from .items import Prepared, check_errors
-from .messages import check_messages
+from .messages import check_messages, with_default_system
 from .options import GenerationOptions
 from .result import EngineStoppedError, Result, SessionDestroyedError
 from .service import EngineService, Item, Source, get_service
@@ -128,10 +128,8 @@ class LanguageModel:
     def _messages(self, prompt: Prompt) -> list[Message]:
         if isinstance(prompt, str):
             return self._initial + [{"role": "user", "content": prompt}]
-        messages = _check_messages(list(prompt), "a prompt")
-        if self._initial and messages and messages[0]["role"] == "system":
-            raise ValueError("the session already has a system prompt; leave it out of the messages")
-        return self._initial + messages
+        # A prompt's own system message replaces the session's, as a job row's replaces --system.
+        return with_default_system(self._initial, _check_messages(list(prompt), "a prompt"))
 
     def create_batch(self, prompts: Iterable[Prompt], *, progress: bool = False, **options: Any) -> Batch:
         """A streaming batch (not started: call start(), wait(), or iterate it)."""

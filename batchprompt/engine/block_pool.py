@@ -97,6 +97,10 @@ class BlockPool:
         block.key, block.block_hash = key, block_hash
         self._cached[block_hash] = block
 
+    def uncache(self, block: Block) -> None:
+        """Make a block unfindable (its K/V are not what its key says)."""
+        self._uncache(block)
+
     def _uncache(self, block: Block) -> None:
         if block.block_hash is not None and self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]

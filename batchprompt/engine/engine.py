@@ -3,49 +3,56 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
-from ..device import available_memory, resolve_device, resolve_dtype
+from ..device import resolve_device, resolve_dtype
 from ..models import Tokenizer, build_model, load_hf_weights, resolve_model
 from ..models.llama import LlamaModel
-from ..runner.kv_tensors import KVTensors
-from ..runner.model_runner import ModelRunner
+from ..steps import SchedulerOutput
 from ..structured import GrammarCompiler, GrammarError
 from .block_pool import BlockPool
 from .config import EngineConfig
 from .grammar_step import advance_grammar
 from .kv_cache import KVCacheManager
 from .outputs import RequestOutput
-from .request import Request, RequestStatus
+from .request import Request
+from .samples import SampleGroups, attach_sampling_state, child_params, sample_id, sampling_problem
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import Scheduler
+from .scoring import add_candidate_score, choose_best, start_scoring
 from .stats import EngineStats
 from .stop import check_stop
+
+if TYPE_CHECKING:
+    from ..runner.model_runner import ModelRunner
 
 
 class LLMEngine:
     """Add requests at any time; each `step()` runs one batch and returns finished requests."""
 
-    def __init__(self, model: LlamaModel, tokenizer: Tokenizer | None, config: EngineConfig | None = None):
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer | None, config: EngineConfig | None = None):
+        """`runner` runs the model and holds the KV cache (its `block_size` and `max_blocks`
+        size the block pool); `from_model` and `from_pretrained` build one from `config`."""
         self.config = config = config or EngineConfig()
-        self.model, self.tokenizer = model, tokenizer
-        args = model.args
+        if runner.block_size != config.block_size:
+            raise ValueError(f"the runner's KV blocks hold {runner.block_size} tokens, but "
+                             f"block_size is {config.block_size}: build both from the same config")
+        self.runner, self.model, self.tokenizer = runner, runner.model, tokenizer
+        args = self.model.args
         self.max_model_len = min(config.max_model_len or args.max_position, args.max_position)
-        param = next(model.parameters())
-        budget = config.kv_cache_memory or int(available_memory(param.device) * config.kv_memory_fraction)
-        max_blocks = max(1, budget // KVTensors.bytes_per_block(args, config.block_size, param.dtype))
+        max_blocks = runner.max_blocks
         self.pool = BlockPool(max_blocks)
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching,
                                  watermark_blocks=int(config.watermark * max_blocks))
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
-        self.runner = ModelRunner(model, config.block_size, max_blocks)
+        self.scheduler = Scheduler(config, self.kv)
         self.eos_token_ids = tokenizer.eos_token_ids if tokenizer else frozenset(args.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._rejected: list[Request] = []
         self._ids = itertools.count()
         self._stats = EngineStats()
+        self._samples = SampleGroups()  # requests with n / best_of > 1
         self.grammars = GrammarCompiler(tokenizer.hf, args.vocab_size, self.eos_token_ids) if tokenizer else None
 
     @classmethod
@@ -58,7 +65,19 @@ class LLMEngine:
         args, weights = load_hf_weights(source)
         net = build_model(args, weights, resolve_dtype(dtype, dev), dev)
         del weights
-        return cls(net, Tokenizer.load(source, args.eos_token_ids), cfg)
+        return cls.from_model(net, Tokenizer.load(source, args.eos_token_ids), cfg)
+
+    @classmethod
+    def from_model(cls, model: LlamaModel, tokenizer: Tokenizer | None = None,
+                   config: EngineConfig | None = None) -> "LLMEngine":
+        """An engine over a built model, with a runner whose KV cache follows `config`."""
+        # Imported here, not at the top: the engine works with the runner it is handed, and
+        # only this builder needs the concrete class.
+        from ..runner.model_runner import ModelRunner
+
+        config = config or EngineConfig()
+        runner = ModelRunner(model, config.block_size, config.kv_cache_memory, config.kv_memory_fraction)
+        return cls(runner, tokenizer, config)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -70,18 +89,31 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        req = self._new_request(request_id, ids, params)
+        problem = (self._validate(ids) or sampling_problem(params, self.model.args.vocab_size)
+                   or self._prepare_structured(req))
+        if problem:
+            req.finish("error", problem)
+            self._rejected.append(req)
+        elif params.num_samples > 1:  # samples queued together: the prompt's blocks are shared
+            req.matcher = None
+            children = [self._new_request(sample_id(request_id, i), ids, child_params(params, i))
+                        for i in range(params.num_samples)]
+            self._samples.add(req, children)
+            for child in children:
+                self._prepare_structured(child)
+                self.scheduler.add(child)
+        else:
+            self.scheduler.add(req)
+        return request_id
+
+    def _new_request(self, request_id: str, ids: list[int], params: SamplingParams) -> Request:
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         req = Request(request_id, ids, params, generator=gen)
         self._requests[request_id] = req
-        problem = self._validate(ids) or self._prepare_structured(req)
-        if problem:
-            req.finish("error", problem)
-            self._rejected.append(req)
-        else:
-            self.scheduler.add(req)
-        return request_id
+        return req
 
     def _validate(self, ids: list[int]) -> str | None:
         if not ids:
@@ -155,26 +187,41 @@ class LLMEngine:
 
     # ---- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        return self._samples.collect(self._step(), self._requests, self._drop_sample)
+
+    def _drop_sample(self, req: Request) -> None:
+        self.scheduler.finish(req)
+        req.finish("abort")
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         done = [self._finish_output(r) for r in self._rejected]
         self._rejected.clear()
         if not self.scheduler.has_work:
             return done
-        sched = self.scheduler.schedule()
-        if not sched.chunks:
-            # Nothing ran, so nothing will free memory: the first waiting request cannot run
-            # even alone. _validate checks only the prompt. A lone request whose output outgrew
-            # the KV budget preempts itself and comes here, as does one for which pinned
-            # prefixes and the admission watermark leave too little room. Fail it, never spin.
-            req = self.scheduler.waiting[0]
-            free = self.pool.num_free * self.config.block_size
-            return done + self._fail(req, f"the request needs KV cache for {req.num_tokens} tokens, more than "
-                                          f"is free with nothing else running ({free} tokens): raise "
-                                          f"kv_cache_memory or lower max_tokens")
-        try:
-            out = self.runner.execute(sched)
-        except Exception as e:  # the step's requests fail alone; everything else goes on
-            return done + self._fail_step(sched, e)
+        while True:  # more than once only when the device ran out of memory
+            sched = self.scheduler.schedule()
+            if not sched.chunks:
+                # Nothing ran, so nothing will free memory: the first waiting request cannot run
+                # even alone. _validate checks only the prompt. A lone request whose output outgrew
+                # the KV budget preempts itself and comes here, as does one for which pinned
+                # prefixes and the admission watermark leave too little room. Fail it, never spin.
+                req = self.scheduler.waiting[0]
+                free = self.pool.num_free * self.config.block_size
+                return done + self._fail(req, f"the request needs KV cache for {req.num_tokens} tokens, more than "
+                                              f"is free with nothing else running ({free} tokens): raise "
+                                              f"kv_cache_memory or lower max_tokens")
+            attach_sampling_state(sched.chunks, self._requests, self.eos_token_ids)
+            try:
+                out = self.runner.execute(sched)
+                break
+            except (torch.OutOfMemoryError, MemoryError) as e:
+                failed = self._out_of_memory(sched, e)
+                if failed:
+                    return done + failed
+            except Exception as e:  # the step's requests fail alone; everything else goes on
+                return done + self._fail_step(sched, e)
+        self.scheduler.limits.step_succeeded()
         for rid, pairs in out.prompt_logprobs.items():
             self._requests[rid].prompt_logprobs.update(pairs)
         decode_chunks = 0
@@ -207,33 +254,18 @@ class LLMEngine:
         s.busy_seconds += time.perf_counter() - t0
         return done
 
-    # ---- scoring: each candidate's log-likelihood, the prompt's KV shared ----------------------
+    # ---- scoring: each candidate's log-likelihood, the prompt's KV shared (see scoring.py) -----
     def _start_scoring(self, req: Request, first: list[float]) -> list[RequestOutput]:
-        """The prompt's last position gave every candidate's first-token log-prob. Candidates
-        longer than one token go on as children: the prompt plus the candidate, queued first so
-        the prompt's blocks (just computed, now in the prefix cache) are reused, not recomputed."""
         self.scheduler.finish(req)  # its blocks stay findable in the prefix cache
-        req.status = RequestStatus.SCORING
-        req.choice_logprobs = list(first)
-        start = req.num_prompt_tokens + 1  # the first candidate token is scored already
-        for i, cand in enumerate(req.params.score_choices):
-            if len(cand) == 1:
-                continue
-            child = Request(f"{req.request_id}#{i}", req.prompt_token_ids + list(cand),
-                            SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs_from=start),
-                            parent=req, choice_index=i)
+        for child in start_scoring(req, first):
             self._requests[child.request_id] = child
-            req.pending_children.add(child.request_id)
             self.scheduler.add(child, front=True)
         return [] if req.pending_children else [self._finish_scoring(req)]
 
     def _child_done(self, child: Request) -> list[RequestOutput]:
         self.scheduler.finish(child)
         self._finish_child(child)
-        parent = child.parent
-        expected = range(parent.num_prompt_tokens + 1, child.num_prompt_tokens)
-        parent.choice_logprobs[child.choice_index] += sum(child.prompt_logprobs[p] for p in expected)
-        parent.pending_children.discard(child.request_id)
+        parent = add_candidate_score(child)
         return [] if parent.pending_children else [self._finish_scoring(parent)]
 
     def _finish_child(self, child: Request) -> None:
@@ -243,11 +275,22 @@ class LLMEngine:
         s.cached_prompt_tokens += max(child.num_cached_tokens, 0)
 
     def _finish_scoring(self, req: Request) -> RequestOutput:
-        scores = req.choice_logprobs
-        best = max(range(len(scores)), key=scores.__getitem__)
-        req.output_token_ids = list(req.params.score_choices[best])
-        req.finish("stop")
+        choose_best(req)
         return self._finish_output(req)
+
+    def _out_of_memory(self, sched: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """The step ran out of device memory and computed nothing: undo it and lower the step
+        limits below it, so that the caller schedules a smaller one (fewer sequences, fewer
+        tokens). Only a step of one token of one request fails that request (returned)."""
+        self.scheduler.undo(sched)
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand back what the failed step left cached, against fragmentation
+        if self.scheduler.limits.shrink(len(sched.chunks), sched.num_tokens):
+            return []
+        req = self._requests[sched.chunks[0].request_id]
+        return self._fail(req, f"the model ran out of memory running this request alone, one token at a "
+                               f"time ({type(error).__name__}: {error}): shorten the prompt, or leave the "
+                               f"model more memory (a lower kv_cache_memory or kv_memory_fraction)")
 
     def _fail_step(self, sched, error: Exception) -> list[RequestOutput]:
         failed = []
@@ -289,6 +332,7 @@ class LLMEngine:
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             output_token_ids=list(ids), text=text, finish_reason=req.finish_reason or "error",
             error=req.error, logprobs=list(req.logprobs) if req.params.logprobs else None,
+            top_logprobs=list(req.top_logprobs) if req.params.top_logprobs else None,
             num_cached_tokens=cached, num_preemptions=req.num_preemptions,
             prompt_logprobs=self._prompt_logprobs(req),
             choice_logprobs=list(req.choice_logprobs) if req.params.score_choices and req.error is None else None,

@@ -90,6 +90,17 @@ class KVCacheManager:
             self.pool.cache(blocks[i], block_hash, key)
             hashes.append(block_hash)
 
+    def uncache_from(self, request: Request, num_tokens: int) -> None:
+        """Unregister the request's blocks past its first `num_tokens` tokens (a step that
+        failed registered them when it was scheduled, but never wrote their K/V)."""
+        hashes = self._hashes.get(request.request_id)
+        if not hashes:
+            return
+        keep = num_tokens // self.block_size
+        for block in self._blocks[request.request_id][keep:len(hashes)]:
+            self.pool.uncache(block)
+        del hashes[keep:]
+
     def free(self, request: Request) -> None:
         self.pool.release(self._blocks.pop(request.request_id, []))
         self._hashes.pop(request.request_id, None)

@@ -31,6 +31,7 @@ class Request:
     num_preemptions: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # params.top_logprobs > 0
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     error: str | None = None
     stop_text_len: int | None = None  # output text is cut here when a stop string matched
@@ -42,6 +43,9 @@ class Request:
     pending_children: set[str] = field(default_factory=set)
     parent: "Request | None" = None
     choice_index: int = -1  # which candidate a scoring child computes
+    # n / best_of: the request the sample belongs to, and its index among the samples.
+    sample_of: "Request | None" = None
+    sample_index: int = -1
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)  # prompt + output, grows
@@ -62,7 +66,10 @@ class Request:
         self.token_ids.append(token)
         self.output_token_ids.append(token)
         if logprob is not None:
-            self.logprobs.append(logprob)
+            self.logprobs.append(float(logprob))
+            top = getattr(logprob, "top", None)  # the sampler's Logprob when top_logprobs is asked
+            if top is not None:
+                self.top_logprobs.append(top)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
 

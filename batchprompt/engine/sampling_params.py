@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from numbers import Integral, Real
 
@@ -15,11 +16,29 @@ SEED_RANGE = (-2**63, 2**63 - 1)
 class SamplingParams:
     """Per-request decoding options, validated on creation.
 
+    The defaults are vLLM's (temperature 1.0, max_tokens 16); the batch API and `batchprompt
+    run` choose greedy and 256 tokens instead (see GenerationOptions).
+
     temperature 0 means greedy. `top_k` 0 (or -1, as in vLLM) and `top_p` 1 switch those
     filters off. With a `seed`, a request draws from its own random stream, so its output does
     not depend on what else shares the batch. Every number is checked here (type, NaN and
     infinity, range), so the engine, the batch API and jobs refuse the same values with the
     same message.
+
+    Logit adjustments, with vLLM's and OpenAI's meanings and ranges: `presence_penalty` and
+    `frequency_penalty` (-2..2) subtract `presence * (count > 0) + frequency * count` from each
+    token's logit, counting the tokens generated so far; `repetition_penalty` (> 0, 1 = off)
+    divides the positive logits (multiplies the negative ones) of every token already in the
+    prompt or the output; `logit_bias` ({token id: -100..100}; JSON's string keys accepted) is
+    added to the logits; `min_tokens` suppresses EOS and `stop_token_ids` (and stop strings)
+    until that many tokens are out; `min_p` (0..1) drops tokens whose probability is below
+    `min_p` times the most likely one's. Rows that use none of them pay nothing.
+
+    `top_logprobs` (0..20) returns the k most likely tokens and their log-probs at each
+    position (it implies `logprobs`). `include_stop_str_in_output` keeps a matched stop string
+    in the text. `n` samples per prompt share one prefill (through the prefix cache); with
+    `best_of`, that many are generated and the `n` with the highest cumulative log-prob are
+    returned, as in vLLM.
     """
 
     max_tokens: int = 16
@@ -34,6 +53,16 @@ class SamplingParams:
     grammar: Grammar | None = None
     score_choices: tuple[tuple[int, ...], ...] = ()
     prompt_logprobs_from: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: Mapping[int, float] | None = None
+    top_logprobs: int = 0
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,12 +81,34 @@ class SamplingParams:
                f"top_k must be an integer >= 0 (0 or -1 = off), got {self.top_k!r}")
         _check(self.seed is None or (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
                f"seed must be a 64-bit integer (from -2**63 to 2**63-1), got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(_is_finite(v) and -2 <= v <= 2, f"{name} must be a number from -2 to 2, got {v!r}")
+        _check(_is_finite(self.repetition_penalty) and self.repetition_penalty > 0,
+               f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}")
+        _check(_is_finite(self.min_p) and 0 <= self.min_p <= 1,
+               f"min_p must be a number from 0 to 1, got {self.min_p!r}")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be an integer from 0 to max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
+        _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= 20,
+               f"top_logprobs must be an integer from 0 to 20, got {self.top_logprobs!r}")
+        _check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        _check(self.best_of is None or (_is_int(self.best_of) and self.best_of >= self.n),
+               f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         # Plain Python numbers from here on (numpy scalars in, JSON-serialisable values out).
         object.__setattr__(self, "max_tokens", int(self.max_tokens))
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "top_k", max(int(self.top_k), 0))
         object.__setattr__(self, "seed", None if self.seed is None else int(self.seed))
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        for name in ("min_tokens", "top_logprobs", "n"):
+            object.__setattr__(self, name, int(getattr(self, name)))
+        object.__setattr__(self, "best_of", None if self.best_of is None else int(self.best_of))
+        if self.top_logprobs:
+            object.__setattr__(self, "logprobs", True)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
         object.__setattr__(self, "score_choices", tuple(tuple(c) for c in self.score_choices))
         _check(all(self.score_choices), "score_choices must be non-empty token id lists")
@@ -65,10 +116,23 @@ class SamplingParams:
                "give either a grammar or score_choices, not both")
         _check(self.prompt_logprobs_from is None or self.prompt_logprobs_from >= 1,
                "prompt_logprobs_from must be >= 1 (the first token has no log-prob)")
+        _check(not (self.score_choices and self.num_samples > 1), "n and best_of do not apply to score_choices")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def num_samples(self) -> int:
+        """How many sequences are generated for the prompt (best_of, else n)."""
+        return self.best_of or self.n
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler changes this row's logits before choosing (the others keep the
+        fast path: greedy argmax on the model's dtype)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)
 
 
 def _is_int(x) -> bool:
@@ -77,6 +141,28 @@ def _is_int(x) -> bool:
 
 def _is_finite(x) -> bool:
     return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _logit_bias(bias) -> dict[int, float] | None:
+    """{token id: bias} with int keys; JSON objects bring the ids as strings ("50256")."""
+    if bias is None:
+        return None
+    items = bias.items() if isinstance(bias, Mapping) else bias
+    out: dict[int, float] = {}
+    try:
+        pairs = list(items)
+    except TypeError:
+        pairs = None
+    _check(pairs is not None, f"logit_bias must map token ids to numbers, got {bias!r}")
+    for key, value in pairs:
+        tid = key
+        if isinstance(key, str):
+            tid = int(key) if key.strip().lstrip("-").isdigit() else None
+        _check(_is_int(tid) and tid >= 0, f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+        _check(_is_finite(value) and -100 <= value <= 100,
+               f"logit_bias values must be numbers from -100 to 100, got {value!r} for token {key!r}")
+        out[int(tid)] = float(value)
+    return out or None
 
 
 def _check(ok: bool, message: str) -> None:

@@ -9,26 +9,17 @@ requests are admitted while budget, sequence slots and memory last.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
+from ..steps import ScheduledChunk, SchedulerOutput
+from .config import EngineConfig
 from .kv_cache import KVCacheManager
-from .outputs import ScheduledChunk, SchedulerOutput
+from .limits import StepLimits
 from .request import Request, RequestStatus
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-
-
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
-        self.config = config
+    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+        self.limits = StepLimits(config)  # the config's ceilings, lowered after running out of memory
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -47,11 +38,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        budget = self.limits.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
+        admitted: dict[str, int] = {}
         i = 0
-        while i < len(self.running) and budget > 0:
+        # Running requests past max_num_seqs (lowered after a step ran out of memory) wait.
+        while i < len(self.running) and budget > 0 and len(chunks) < self.limits.max_num_seqs:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate(req, req.num_computed_tokens + n):
@@ -67,11 +60,11 @@ class Scheduler:
                 continue
             break
         if not preempted:
-            budget = self._admit(chunks, budget)
-        return SchedulerOutput(chunks, preempted, self.kv.pool.num_blocks)
+            self._admit(chunks, budget, admitted)
+        return SchedulerOutput(chunks, preempted, self.kv.pool.num_blocks, admitted)
 
-    def _admit(self, chunks: list[ScheduledChunk], budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _admit(self, chunks: list[ScheduledChunk], budget: int, admitted: dict[str, int]) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             req = self.waiting[0]
             hits = self.kv.find_cached_prefix(req)
             first = req.params.prompt_logprobs_from
@@ -82,6 +75,7 @@ class Scheduler:
             if not self.kv.allocate(req, cached + n, hits, admitting=True):
                 break
             self.waiting.popleft()
+            admitted[req.request_id] = req.num_cached_tokens
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = cached
             if req.num_cached_tokens < 0:
@@ -89,7 +83,6 @@ class Scheduler:
             self.running.append(req)
             chunks.append(self._chunk(req, n))
             budget -= n
-        return budget
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed_tokens
@@ -125,6 +118,23 @@ class Scheduler:
             if chunk.sample:
                 sampled.append(req)
         return sampled
+
+    def undo(self, out: SchedulerOutput) -> None:
+        """The runner could not run `out`, and computed none of it: forget the blocks it
+        registered in the prefix cache (their K/V were never written) and send the requests it
+        admitted back to the front of the queue, in their order; running requests stay as they
+        were. Scheduling again then builds the step anew."""
+        by_id = {r.request_id: r for r in self.running}
+        for chunk in reversed(out.chunks):
+            req = by_id[chunk.request_id]
+            self.kv.uncache_from(req, chunk.start)
+            if req.request_id in out.admitted:
+                self.running.remove(req)
+                self.kv.free(req)
+                req.status = RequestStatus.WAITING
+                req.num_computed_tokens = 0
+                req.num_cached_tokens = out.admitted[req.request_id]
+                self.waiting.appendleft(req)
 
     def finish(self, req: Request) -> None:
         """Remove a request wherever it is and free its blocks."""

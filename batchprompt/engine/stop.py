@@ -8,15 +8,18 @@ def check_stop(req: Request, eos_token_ids: frozenset[int], max_model_len: int, 
     """The finish reason after the request's newest token, or None to go on."""
     p = req.params
     token = req.output_token_ids[-1]
+    if len(req.output_token_ids) < p.min_tokens:  # the sampler kept EOS and stop tokens out
+        return "length" if req.num_tokens >= max_model_len else None
     if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
         return "stop"
     if p.stop and tokenizer is not None:
         text = tokenizer.decode(req.output_token_ids)
         # Only the tail can hold a new match: what came before was checked at earlier steps.
         tail_from = max(0, len(text) - max(len(s) for s in p.stop) - 16)
-        hits = [i for i in (text.find(s, tail_from) for s in p.stop) if i >= 0]
+        hits = [(i, i + len(s)) for i, s in ((text.find(s, tail_from), s) for s in p.stop) if i >= 0]
         if hits:
-            req.stop_text_len = min(hits)
+            start, end = min(hits)
+            req.stop_text_len = end if p.include_stop_str_in_output else start
             return "stop"
     if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= max_model_len:
         return "length"

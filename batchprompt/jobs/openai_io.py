@@ -32,9 +32,11 @@ def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
             choice = {"index": i, "message": {"role": "assistant", "content": r.text, "refusal": None},
                       "finish_reason": FINISH.get(r.finish_reason, "stop"), "logprobs": None}
             if r.logprobs is not None:
+                tops = _tops(r)
                 choice["logprobs"] = {"content": [
-                    {"token": (t := token_text(tid)), "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                    for tid, lp in zip(r.token_ids, r.logprobs)], "refusal": None}
+                    {**_chat_token(tid, lp, token_text),
+                     "top_logprobs": [_chat_token(t, v, token_text) for t, v in (tops[i] if tops else ())]}
+                    for i, (tid, lp) in enumerate(zip(r.token_ids, r.logprobs))], "refusal": None}
             out.append(choice)
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": out, "usage": usage, "system_fingerprint": None}
@@ -47,11 +49,24 @@ def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
             for t in tokens:
                 offsets.append(pos)
                 pos += len(t)
+            tops = _tops(r)
+            top = None if tops is None else [{token_text(t): v for t, v in pos} for pos in tops]
             choice["logprobs"] = {"tokens": tokens, "token_logprobs": list(r.logprobs),
-                                  "top_logprobs": None, "text_offset": offsets}
+                                  "top_logprobs": top, "text_offset": offsets}
         out.append(choice)
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": out, "usage": usage}
+
+
+def _chat_token(tid: int, logprob: float, token_text: Callable[[int], str]) -> dict[str, Any]:
+    t = token_text(tid)
+    return {"token": t, "logprob": logprob, "bytes": list(t.encode("utf-8", "surrogatepass"))}
+
+
+def _tops(r: Result) -> list[list[tuple[int, float]]] | None:
+    """Per position, the (token id, log-prob) of the most likely tokens (top_logprobs asked)."""
+    # getattr: Result gains `top_logprobs` (from RequestOutput.top_logprobs) in api/result.py.
+    return r.top_logprobs
 
 
 def output_line(row: Row, body: dict[str, Any]) -> dict[str, Any]:

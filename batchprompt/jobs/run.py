@@ -21,7 +21,7 @@ from . import openai_io
 from .ids import check_ids
 from .journal import Journal
 from .lock import JobLock
-from .rows import CHAT, InputError, Row, RowError, Table, read_input
+from .rows import CHAT, COMPLETION, InputError, Row, RowError, Table, read_input
 from .storage import StorageError, write_atomic
 
 log = logging.getLogger("batchprompt")
@@ -143,8 +143,17 @@ def row_spec(row: Row, opts: JobOptions) -> OutputSpec | None:
     return OutputSpec.from_options(choice_mode=b.get("choice_mode", opts.structured.get("choice_mode")), **asked)
 
 
+#: Body fields passed to SamplingParams as they are (it checks them), absent or null = default.
+SAMPLING_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+                   "logit_bias", "include_stop_str_in_output", "best_of", "top_k")
+
+
 def row_params(row: Row, opts: JobOptions) -> tuple[SamplingParams, int]:
-    """The row's sampling parameters: its body's fields, the command's options as defaults."""
+    """The row's sampling parameters: its body's fields, the command's options as defaults.
+
+    `n` stays with the job, not the engine: the row becomes n items (seeded ones get seed +
+    choice), identical prompts share their prefill through the prefix cache, and identical
+    deterministic items run once. `best_of` runs in the engine, so it needs n = 1."""
     b = row.body
     max_tokens = _given(b.get("max_completion_tokens", b.get("max_tokens")), opts.max_tokens)
     temperature = _given(b.get("temperature"), opts.temperature)
@@ -155,10 +164,30 @@ def row_params(row: Row, opts: JobOptions) -> tuple[SamplingParams, int]:
     stop = b.get("stop") or ()
     if isinstance(stop, str):
         stop = (stop,)
+    logprobs, top = _logprobs(row)
+    extra = {k: b[k] for k in SAMPLING_FIELDS if b.get(k) is not None}
+    best_of = extra.get("best_of")
+    if isinstance(best_of, int) and best_of > 1 and n > 1:
+        raise ValueError(f"best_of with n > 1 is not supported by batchprompt run: give n alone, or best_of "
+                         f"with n = 1 (got n={n}, best_of={extra['best_of']})")
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=_given(b.get("top_p"), 1.0),
-        top_k=_given(b.get("top_k"), 0), seed=seed, stop=tuple(stop), logprobs=bool(b.get("logprobs")))
+        seed=seed, stop=tuple(stop), logprobs=logprobs, top_logprobs=top, **extra)
     return params, n
+
+
+def _logprobs(row: Row) -> tuple[bool, int]:
+    """(log-probs wanted, how many top tokens): chat bodies say `logprobs: true` and
+    `top_logprobs: k`; completion bodies say `logprobs: k` (0: only the chosen token's)."""
+    b = row.body
+    lp, top = b.get("logprobs"), _given(b.get("top_logprobs"), 0)
+    if row.url == COMPLETION:
+        if isinstance(lp, bool) or lp is None:
+            return bool(lp), 0
+        return True, lp  # SamplingParams checks it as top_logprobs
+    if top and not lp:
+        raise ValueError("top_logprobs needs logprobs: true")
+    return bool(lp), top
 
 
 def _given(value, default):

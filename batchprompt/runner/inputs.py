@@ -6,8 +6,8 @@ from typing import Callable
 
 import torch
 
-from ..engine.outputs import ScheduledChunk
 from ..models.attention import AttentionGroup, AttentionMetadata, DecodeBatch
+from ..steps import ScheduledChunk
 
 # A group of padded attention rows may cost at most this much more than its real area.
 MAX_PADDING_RATIO = 1.5

@@ -3,24 +3,32 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.outputs import ModelRunnerOutput, SchedulerOutput
+from ..device import available_memory
 from ..kernels import CompiledOps, compiled_module
 from ..models.llama import LlamaModel
 from ..models.ops import TORCH_OPS
+from ..steps import ModelRunnerOutput, SchedulerOutput
 from .inputs import build_inputs
 from .kv_tensors import KVTensors
 from .sampler import sample
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, block_size: int, max_blocks: int,
-                 kv_dtype: torch.dtype | None = None):
+    """Owns the model and its KV cache tensors. `kv_cache_memory` is the cache's ceiling in
+    bytes (None: `kv_memory_fraction` of the device's free memory); `max_blocks` is how many
+    blocks of `block_size` tokens it holds, which the engine's block pool hands out."""
+
+    def __init__(self, model: LlamaModel, block_size: int, kv_cache_memory: int | None = None,
+                 kv_memory_fraction: float = 0.25, kv_dtype: torch.dtype | None = None):
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size
-        self.max_blocks = max_blocks
-        self.kv = KVTensors(model.args, block_size, kv_dtype or self.dtype, self.device)
+        kv_dtype = kv_dtype or self.dtype
+        self.bytes_per_block = KVTensors.bytes_per_block(model.args, block_size, kv_dtype)
+        budget = kv_cache_memory or int(available_memory(self.device) * kv_memory_fraction)
+        self.max_blocks = max(1, budget // self.bytes_per_block)
+        self.kv = KVTensors(model.args, block_size, kv_dtype, self.device)
         # On the CPU, the compiled kernels: paged decode attention (None: PyTorch attention for
         # all rows) and the layers' fused elementwise steps.
         module = compiled_module(self.device)

@@ -1,31 +1,51 @@
-"""Sampling: greedy, temperature, top-k, top-p, per-request seeds, chosen-token log-probs."""
+"""Sampling: greedy, temperature, top-k, top-p, min-p, penalties, logit bias, min_tokens,
+per-request seeds, chosen-token and top-k log-probs."""
 from __future__ import annotations
 
 import torch
 
-from ..engine.outputs import ScheduledChunk
+from ..steps import ScheduledChunk
 from ..models.ops import TORCH_OPS, TorchOps
 from ..structured.mask import apply_masks
 
 
+class Logprob(float):
+    """A chosen token's log-prob that also carries the row's top-k: [(token id, log-prob)],
+    most likely first. A float, so the runner hands it on like any other log-prob."""
+
+    top: list[tuple[int, float]]
+
+    def __new__(cls, value: float, top: list[tuple[int, float]]) -> "Logprob":
+        self = super().__new__(cls, value)
+        self.top = top
+        return self
+
+
 def sample(logits: torch.Tensor, chunks: list[ScheduledChunk],
            ops: TorchOps = TORCH_OPS) -> tuple[list[int], list[float | None]]:
-    """logits [N, V], one row per chunk -> the chosen token and, if asked, its log-prob.
+    """logits [N, V], one row per chunk -> the chosen token and, if asked, its log-prob (a
+    `Logprob` with the top k when params.top_logprobs is set).
     `ops.argmax` picks the greedy tokens. Logits in the model's dtype are used as they are when
-    every row is greedy with no log-probs or grammar; otherwise they are taken to float32 first.
+    every row is greedy with no log-probs, grammar or logit adjustments; otherwise they are
+    taken to float32 first. Adjustments (penalties, logit_bias, min_tokens) touch only the rows
+    that ask for them.
 
-    Log-probs are those of the model's distribution before temperature, filters and grammar
-    masks. Rows whose chunk has a grammar matcher are masked (in place) to the tokens it allows.
+    Log-probs are those of the model's distribution before penalties, temperature, filters and
+    grammar masks (vLLM's default). Rows whose chunk has a grammar matcher are masked (in place)
+    to the tokens it allows.
     """
     want = [i for i, c in enumerate(chunks) if c.params.logprobs]
     constrained = [i for i, c in enumerate(chunks) if c.matcher is not None]
     sampled_rows = [i for i, c in enumerate(chunks) if not c.params.greedy]
-    if want or constrained or sampled_rows:
+    adjusted = [i for i, c in enumerate(chunks) if c.params.adjusts_logits]
+    if want or constrained or sampled_rows or adjusted:
         logits = logits.float()
     raw_lp = None
     if want:
         idx = torch.tensor(want, device=logits.device)
         raw_lp = torch.log_softmax(logits.index_select(0, idx), dim=-1)
+    for i in adjusted:
+        adjust_logits(logits[i], chunks[i])
     if constrained:
         apply_masks(logits, constrained, [chunks[i].matcher for i in constrained])
     tokens = ops.argmax(logits)
@@ -44,9 +64,35 @@ def sample(logits: torch.Tensor, chunks: list[ScheduledChunk],
     logprobs: list[float | None] = [None] * len(chunks)
     if raw_lp is not None:
         picked = raw_lp.gather(1, tokens.index_select(0, idx).unsqueeze(1)).squeeze(1).tolist()
-        for i, v in zip(want, picked):
-            logprobs[i] = v
+        for j, (i, v) in enumerate(zip(want, picked)):
+            k = chunks[i].params.top_logprobs
+            if k:
+                values, ids = raw_lp[j].topk(k)
+                logprobs[i] = Logprob(v, list(zip(ids.tolist(), values.tolist())))
+            else:
+                logprobs[i] = v
     return chosen, logprobs
+
+
+def adjust_logits(row: torch.Tensor, chunk: ScheduledChunk) -> None:
+    """Apply one row's logit_bias, penalties and min_tokens ban in place (float32 logits [V]).
+    Order as vLLM: bias, then repetition, frequency and presence penalties; the ban last, so
+    no bias lifts a banned token."""
+    p = chunk.params
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), device=row.device)
+        row.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), device=row.device))
+    out = chunk.output_token_ids or []
+    if p.repetition_penalty != 1:
+        seen = torch.tensor(list(chunk.prompt_token_ids or []) + list(out), device=row.device).unique()
+        if len(seen):
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and out:
+        counts = torch.bincount(torch.tensor(out, device=row.device), minlength=row.shape[0]).to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    if chunk.banned_token_ids:
+        row[torch.tensor(chunk.banned_token_ids, device=row.device)] = float("-inf")
 
 
 def _filtered_probs(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> torch.Tensor:
@@ -65,4 +111,9 @@ def _filtered_probs(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> torch
         drop |= (cum - sorted_logits.softmax(dim=-1)) >= ps  # keep the smallest set reaching p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-    return logits.softmax(dim=-1)
+    probs = logits.softmax(dim=-1)
+    min_p = [c.params.min_p for c in chunks]
+    if any(min_p):  # drop tokens less likely than min_p times the most likely (after temperature)
+        floor = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, device=probs.device).unsqueeze(1)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs

@@ -62,8 +62,13 @@ def test_initial_prompts_and_message_prompts(engine32):
         as_text = lm.prompt("are you coming tonight?")
         as_messages = lm.prompt([{"role": "user", "content": "are you coming tonight?"}])
         assert as_text == as_messages
-        with pytest.raises(ValueError, match="already has a system prompt"):
-            lm.prompt([{"role": "system", "content": "x"}, {"role": "user", "content": "y"}])
+        # A prompt's own system message replaces the session's; the other initial turns stay.
+        own = [{"role": "system", "content": "Answer in French."},
+               {"role": "user", "content": "are you coming tonight?"}]
+        replaced = lm.prompt(own)
+    with bp.LanguageModel.create(initial_prompts=[own[0]] + shots[1:], model=engine32, max_tokens=3) as ref:
+        assert replaced == ref.prompt(own[1:])
+        assert ref.system == "Answer in French."
     with pytest.raises(ValueError, match="not both"):
         bp.LanguageModel.create(system="a", initial_prompts=shots, model=engine32)
 

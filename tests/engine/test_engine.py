@@ -23,7 +23,7 @@ def tiny_model(tiny_model_dir):
 
 
 def engine(model, **cfg) -> LLMEngine:
-    return LLMEngine(model, None, EngineConfig(**cfg))
+    return LLMEngine.from_model(model, None, EngineConfig(**cfg))
 
 
 def prompts(n: int, shared: int = 9) -> list[list[int]]:

@@ -7,7 +7,8 @@ from batchprompt.engine.block_pool import BlockPool
 from batchprompt.engine.kv_cache import KVCacheManager
 from batchprompt.engine.request import Request
 from batchprompt.engine.sampling_params import SamplingParams
-from batchprompt.engine.scheduler import Scheduler, SchedulerConfig
+from batchprompt.engine.config import EngineConfig
+from batchprompt.engine.scheduler import Scheduler
 
 
 def fake_next_token(history: list[int]) -> int:
@@ -17,7 +18,7 @@ def fake_next_token(history: list[int]) -> int:
 
 def run(requests: list[Request], max_blocks: int, budget: int, max_seqs: int = 64, abort_at=None):
     kv = KVCacheManager(BlockPool(max_blocks), block_size=4)
-    sched = Scheduler(SchedulerConfig(max_seqs, budget), kv)
+    sched = Scheduler(EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget), kv)
     for r in requests:
         sched.add(r)
     steps = 0
@@ -60,7 +61,7 @@ def test_chunked_prefill_splits_a_long_prompt():
     long = make(0, list(range(50)), 2)
     short = make(1, [1, 2, 3], 2)
     kv = KVCacheManager(BlockPool(100), block_size=4)
-    sched = Scheduler(SchedulerConfig(8, 16), kv)
+    sched = Scheduler(EngineConfig(max_num_seqs=8, max_num_batched_tokens=16), kv)
     sched.add(long)
     sched.add(short)
     first = sched.schedule()

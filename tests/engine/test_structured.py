@@ -103,7 +103,7 @@ def test_grammar_state_survives_preemption(engine32):
     params = SamplingParams(max_tokens=12, temperature=0, grammar=Grammar.regex(r"[0-9]{3,6}(\.[0-9]+)?"))
     ref = [o.text for o in engine32.generate(ps, params)]
     per_block = KVTensors.bytes_per_block(model.args, 4, torch.float32)
-    small = LLMEngine(model, tok, EngineConfig(kv_cache_memory=90 * per_block, watermark=0.0))
+    small = LLMEngine.from_model(model, tok, EngineConfig(kv_cache_memory=90 * per_block, watermark=0.0))
     outs = small.generate(ps, params)
     assert small.stats.preemptions > 0
     assert [o.text for o in outs] == ref
@@ -120,7 +120,7 @@ def test_jump_forward_skips_forced_tokens_and_keeps_the_answers(engine32):
     ps = [tok.encode_prompt(text + "\nAnswer in JSON.", SPAM_SYSTEM) for _, text in sms_rows(10)]
     runs = {}
     for jf in (False, True):
-        eng = LLMEngine(model, tok, EngineConfig(jump_forward=jf))
+        eng = LLMEngine.from_model(model, tok, EngineConfig(jump_forward=jf))
         runs[jf] = ([o.text for o in eng.generate(ps, params)], eng.stats.decode_tokens)
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] < runs[False][1] / 2  # the keys and punctuation came without decode steps
@@ -130,7 +130,7 @@ def test_jump_forward_skips_forced_tokens_and_keeps_the_answers(engine32):
 def test_a_grammar_that_no_text_completes_fails_its_requests(engine32, jump_forward):
     """No answer is an error, never an empty or partial text that finished with "stop"."""
     tok, model = engine32.tokenizer, engine32.model
-    eng = LLMEngine(model, tok, EngineConfig(jump_forward=jump_forward))
+    eng = LLMEngine.from_model(model, tok, EngineConfig(jump_forward=jump_forward))
     p = tok.encode_prompt("Is this spam? Win money now!", SPAM_SYSTEM)
     nothing = [Grammar.regex(r"[^\s\S]"), Grammar.regex(r"(spam|ham)[^\s\S]")]  # caught when compiled
     dead_end = Grammar.lark('start: "spam" X\nX: /[^\\s\\S]/')  # caught only once "spam" is written

@@ -1,0 +1,85 @@
+"""`batchprompt run` bodies with vLLM/OpenAI sampling fields, and top_logprobs in OpenAI's shapes."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+
+from batchprompt.api.result import Result, Usage
+from batchprompt.jobs import openai_io
+from batchprompt.jobs.rows import CHAT, COMPLETION, IGNORED_FIELDS, KNOWN_FIELDS, read_jsonl
+from batchprompt.jobs.run import JobOptions, row_params
+
+OPTS = JobOptions("in", "out")
+FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
+          "top_logprobs", "include_stop_str_in_output", "best_of", "logprobs")
+
+
+def row(url, **body):
+    key = "messages" if url == CHAT else "prompt"
+    body[key] = [{"role": "user", "content": "x"}] if url == CHAT else "x"
+    return read_jsonl(json.dumps({"custom_id": "a", "url": url, "body": body}).encode())[0]
+
+
+def test_body_sampling_fields_reach_the_engine():
+    params, n = row_params(row(CHAT, presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2,
+                               min_p=0.05, min_tokens=3, logit_bias={"50256": -100}, logprobs=True,
+                               top_logprobs=4, include_stop_str_in_output=True, best_of=3), OPTS)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty, params.min_p,
+            params.min_tokens, params.logit_bias, params.logprobs, params.top_logprobs,
+            params.include_stop_str_in_output, params.best_of, n) == \
+        (0.5, -1.0, 1.2, 0.05, 3, {50256: -100.0}, True, 4, True, 3, 1)
+    plain, _ = row_params(row(CHAT), OPTS)
+    assert not plain.adjusts_logits and plain.num_samples == 1 and plain.top_logprobs == 0
+
+
+def test_completion_logprobs_k_means_top_k():
+    assert (lambda p: (p.logprobs, p.top_logprobs))(row_params(row(COMPLETION, logprobs=3), OPTS)[0]) == (True, 3)
+    assert (lambda p: (p.logprobs, p.top_logprobs))(row_params(row(COMPLETION, logprobs=0), OPTS)[0]) == (True, 0)
+    assert not row_params(row(COMPLETION), OPTS)[0].logprobs
+
+
+@pytest.mark.parametrize("body, match", [
+    ({"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+    ({"presence_penalty": 3}, "presence_penalty must be a number from -2 to 2"),
+    ({"logit_bias": {"7": 500}}, "logit_bias values must be numbers from -100 to 100"),
+    ({"best_of": 3, "n": 2}, "best_of with n > 1 is not supported"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be an integer from 0 to 20"),
+])
+def test_bad_sampling_fields_fail_the_row(body, match):
+    with pytest.raises(ValueError, match=match):
+        row_params(row(CHAT, **body), OPTS)
+
+
+def test_the_fields_are_not_counted_as_unknown():
+    assert all(f in KNOWN_FIELDS or f in IGNORED_FIELDS for f in FIELDS)
+
+
+@dataclass(frozen=True)
+class TopResult(Result):
+    # What api/result.py's Result carries once it passes RequestOutput.top_logprobs on.
+    top_logprobs: list | None = None
+
+
+TEXT = {5: "a", 6: "b", 7: "c"}
+
+
+def result() -> Result:
+    return TopResult(0, "ab", "stop", Usage(3, 2), logprobs=[-0.1, -0.2], token_ids=[5, 6],
+                     top_logprobs=[[(5, -0.1), (7, -2.5)], [(6, -0.2), (5, -1.5)]])
+
+
+def test_chat_top_logprobs_in_openais_shape():
+    body = openai_io.response_body(row(CHAT, logprobs=True, top_logprobs=2), [result()], "m", 0, TEXT.get)
+    content = body["choices"][0]["logprobs"]["content"]
+    assert content[0] == {"token": "a", "logprob": -0.1, "bytes": [97], "top_logprobs": [
+        {"token": "a", "logprob": -0.1, "bytes": [97]}, {"token": "c", "logprob": -2.5, "bytes": [99]}]}
+    assert [t["token"] for t in content[1]["top_logprobs"]] == ["b", "a"]
+
+
+def test_completion_top_logprobs_in_openais_shape():
+    body = openai_io.response_body(row(COMPLETION, logprobs=2), [result()], "m", 0, TEXT.get)
+    lp = body["choices"][0]["logprobs"]
+    assert lp["top_logprobs"] == [{"a": -0.1, "c": -2.5}, {"b": -0.2, "a": -1.5}]
+    assert (lp["tokens"], lp["token_logprobs"], lp["text_offset"]) == (["a", "b"], [-0.1, -0.2], [0, 1])
