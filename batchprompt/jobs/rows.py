@@ -25,19 +25,18 @@ COMPLETION_OR_CHAT = "plain"  # plain JSONL: a "prompt" string is a user turn (c
 KNOWN_FIELDS = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                 "seed", "stop", "n", "logprobs", "top_logprobs", "top_k",
                 "response_format", "guided_choice", "guided_regex", "guided_json", "guided_grammar",
-                "structured_outputs", "choice_mode"}
+                "structured_outputs", "choice_mode", "presence_penalty", "frequency_penalty", "logit_bias",
+                "best_of", "min_p", "repetition_penalty", "include_stop_str_in_output", "min_tokens"}
 #: Fields of OpenAI's and vLLM's chat and completion requests that we accept and ignore without
 #: a word (`model`: the command's --model runs every row). Anything else is counted as unknown.
 IGNORED_FIELDS = {
     # OpenAI chat and completions
-    "model", "user", "metadata", "store", "stream", "stream_options", "service_tier", "frequency_penalty",
-    "presence_penalty", "logit_bias", "tools", "tool_choice", "parallel_tool_calls", "functions",
+    "model", "user", "metadata", "store", "stream", "stream_options", "service_tier", "tools", "tool_choice", "parallel_tool_calls", "functions",
     "function_call", "modalities", "audio", "prediction", "reasoning_effort", "verbosity",
     "web_search_options", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "moderation",
-    "best_of", "echo", "suffix",
+    "echo", "suffix",
     # vLLM extra parameters
-    "use_beam_search", "min_p", "repetition_penalty", "length_penalty", "stop_token_ids",
-    "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
+    "use_beam_search", "length_penalty", "stop_token_ids", "ignore_eos", "skip_special_tokens",
     "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids",
     "bad_words", "add_generation_prompt", "continue_final_message", "add_special_tokens", "documents",
     "chat_template", "chat_template_kwargs", "mm_processor_kwargs", "guided_decoding_backend",
@@ -228,7 +227,7 @@ def parse_line(n: int, line: str) -> Row | RowError:
         return _openai_row(n, obj)
     cid = str(obj.get("id", f"line-{n}"))
     body = {k: v for k, v in obj.items() if k not in PLAIN_LINE_KEYS}
-    return _from_body(n, cid, CHAT if "messages" in obj else COMPLETION_OR_CHAT, body)
+    return row_from_body(n, cid, CHAT if "messages" in obj else COMPLETION_OR_CHAT, body)
 
 
 def _openai_row(n: int, obj: dict) -> Row | RowError:
@@ -245,10 +244,12 @@ def _openai_row(n: int, obj: dict) -> Row | RowError:
     body = obj.get("body")
     if not isinstance(body, dict):
         return RowError(n, cid, "missing_body", f"line {n}: the line has no body object")
-    return _from_body(n, cid, url, body)
+    return row_from_body(n, cid, url, body)
 
 
-def _from_body(n: int, cid: str, url: str, body: dict) -> Row | RowError:
+def row_from_body(n: int, cid: str, url: str, body: dict) -> Row | RowError:
+    """One request body as a Row (line `n`, id `cid`), or the RowError that says what is wrong
+    with it: the check `batchprompt run` makes of each line, also used by the server."""
     problem = _check_counts(body)
     if problem:
         return RowError(n, cid, "invalid_request", f"line {n}: {problem}")

@@ -66,7 +66,7 @@ def check_input(raw: bytes, endpoint: str, model_id: str, model_names: Iterable[
                                            f"to requests", "custom_id")
             continue
         first_line[cid] = n
-        out.rows.append(job_rows._from_body(n, cid, endpoint, obj["body"]))
+        out.rows.append(job_rows.row_from_body(n, cid, endpoint, obj["body"]))
     if bad > len(out.errors):
         out.errors.append({"code": "too_many_errors", "line": None, "param": None,
                            "message": f"and {bad - len(out.errors)} more lines with errors"})

@@ -46,10 +46,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "per directory")
     p.add_argument("--max-file-bytes", type=int, default=DEFAULT_MAX_FILE_BYTES, metavar="N",
                    help=f"refuse Batch API uploads larger than this with 413 (default {DEFAULT_MAX_FILE_BYTES:,})")
+    # The engine's options, as `batchprompt run` takes them (checked by the same code in cli.py).
+    p.add_argument("--device", default="auto", metavar="DEVICE",
+                   help="where the model runs: auto (a CUDA GPU when one is visible, else the CPU), cpu, cuda, "
+                        "or cuda:N for GPU N (default auto)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="precision of the weights and KV cache (default auto: bfloat16 where the hardware "
+                        "supports it, else float32)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="context length in tokens, prompt plus answer (default: the model's own, also the most); "
+                        "a longer request is refused with 400 (context_length_exceeded)")
     p.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
                    help="engine: sequences run at once (default 512)")
-    p.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES",
-                   help="engine: KV cache ceiling in bytes (default: a quarter of free memory)")
+    p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                   help="engine: KV cache ceiling: bytes with a unit (4GiB, 512MB, 1.5G; K/M/G/T alone are "
+                        "binary), plain bytes, or a share of free memory (0.3 or 30%%; default 25%%)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help=f"refuse request bodies larger than this with 413 (default {DEFAULT_MAX_BODY_BYTES:,})")
     p.add_argument("--batch-retention", type=float, default=DEFAULT_BATCH_RETENTION_S, metavar="SECONDS",
@@ -61,6 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C or SIGTERM (then 0); 2 for bad options or a model that cannot be found."""
+    from ..cli import _check_device, _engine_options
     from ..models import ModelNotFoundError
     from .config import ServerConfig
 
@@ -68,14 +80,12 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=level, format="batchprompt: %(levelname)s: %(message)s")
     logging.getLogger("batchprompt").setLevel(level)  # also where `batchprompt`'s main set up logging first
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    engine_options = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
-                                        ("kv_cache_memory", args.kv_cache_memory)) if v is not None}
-    if args.max_num_seqs is not None and args.max_num_seqs < 1:
-        return _fail(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     try:
+        device = _check_device(args.device)
+        engine_options = _engine_options(args, device)  # --max-model-len, --max-num-seqs, --kv-cache-memory
         config = ServerConfig(model=args.model, host=args.host, port=args.port,
                               api_key=args.api_key or os.environ.get("BATCHPROMPT_API_KEY") or None,
-                              data_dir=args.data_dir, engine_options=engine_options,
+                              data_dir=args.data_dir, device=device, dtype=args.dtype, engine_options=engine_options,
                               max_body_bytes=args.max_body_bytes, batch_retention_s=args.batch_retention,
                               max_batches=args.max_batches, max_file_bytes=args.max_file_bytes)
         return serve(config, args.log_level)

@@ -21,6 +21,8 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     data_dir: str | None = None  # the Batch API's files and batches; None: data_dir.default_data_dir()
+    device: str = "auto"  # as `batchprompt run --device`: auto, cpu, cuda, cuda:N
+    dtype: str = "auto"  # auto, bfloat16, float16, float32
     engine_options: dict = field(default_factory=dict)  # EngineConfig fields (max_num_seqs, ...)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     batch_retention_s: float = DEFAULT_BATCH_RETENTION_S

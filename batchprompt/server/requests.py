@@ -4,7 +4,8 @@ A body's options are read by the same code as `batchprompt run`'s rows (jobs/row
 the body, jobs/run.py turns it into sampling parameters and a structured-output spec), so the
 server and the job runner accept and refuse the same bodies with the same messages. What is
 the server's own: the prompt forms of /v1/completions (a list of prompts, token ids), OpenAI's
-defaults (temperature 1, max_tokens 16 for completions), and refusing fields it cannot honour."""
+defaults (temperature 1, max_tokens 16 for completions), and refusing fields it cannot honour
+(echo, suffix, tools, beam search, prompt_logprobs)."""
 from __future__ import annotations
 
 import uuid
@@ -23,25 +24,17 @@ COMPLETION_MAX_TOKENS = 16
 TEMPERATURE = 1.0
 
 #: Fields that change what a request means and that this server cannot honour: refused with a
-#: message rather than ignored. field -> (is the value a no-op?, what to do instead)
+#: message rather than ignored. field -> is the value a no-op? (The sampling options, from
+#: presence_penalty to best_of and top_logprobs, go to the engine through the jobs' row_params.)
 _NOOP = {
-    "echo": lambda v, b: not v,
-    "suffix": lambda v, b: v in (None, ""),
-    "best_of": lambda v, b: v is None or v == (b.get("n") or 1),
-    "logit_bias": lambda v, b: not v,
-    "tools": lambda v, b: not v,
-    "functions": lambda v, b: not v,
-    "presence_penalty": lambda v, b: v in (None, 0),
-    "frequency_penalty": lambda v, b: v in (None, 0),
-    "repetition_penalty": lambda v, b: v in (None, 1),
-    "min_p": lambda v, b: v in (None, 0),
-    "min_tokens": lambda v, b: v in (None, 0),
-    "use_beam_search": lambda v, b: not v,
-    "ignore_eos": lambda v, b: not v,
-    "prompt_logprobs": lambda v, b: v is None,
-    "top_logprobs": lambda v, b: v in (None, 0),
+    "echo": lambda v: not v,
+    "suffix": lambda v: v in (None, ""),
+    "tools": lambda v: not v,
+    "functions": lambda v: not v,
+    "use_beam_search": lambda v: not v,
+    "ignore_eos": lambda v: not v,
+    "prompt_logprobs": lambda v: v is None,
 }
-_ALTERNATIVES = "only the chosen tokens' log-probabilities are computed, not the most likely alternatives"
 
 
 @dataclass
@@ -56,7 +49,7 @@ class Plan:
 
 
 def plan_chat(body: dict, tokenizer, max_model_len: int) -> Plan:
-    refuse_unsupported(body)
+    body = refuse_unsupported(body)
     rid = uuid.uuid4().hex
     row = _row(CHAT, body, rid)
     # Unset max_tokens: the rest of the context, as vLLM (the engine stops at the context's end).
@@ -67,8 +60,7 @@ def plan_chat(body: dict, tokenizer, max_model_len: int) -> Plan:
 
 
 def plan_completion(body: dict, tokenizer, max_model_len: int) -> Plan:
-    body = _completion_logprobs(body)
-    refuse_unsupported(body)
+    body = refuse_unsupported(body)
     rid = uuid.uuid4().hex
     prompts = _prompts(body.get("prompt"))
     # The body's options are checked once, with a stand-in prompt: the prompt forms are ours.
@@ -88,9 +80,7 @@ def plan_completion(body: dict, tokenizer, max_model_len: int) -> Plan:
 def plan_row(row: Row, tokenizer, max_model_len: int) -> list[Prepared]:
     """A Batch API request's prepared choices (indices 0 to n-1), planned as its endpoint
     plans the same body, with the same defaults; ApiError says why it cannot run."""
-    if row.url == COMPLETION:
-        row = replace(row, body=_completion_logprobs(row.body))
-    refuse_unsupported(row.body)
+    row = replace(row, body=refuse_unsupported(row.body))
     # Unset max_tokens: as the endpoints (chat: the rest of the context; completions: 16).
     opts = JobOptions(input="-", output="-", max_tokens=max_model_len if row.url == CHAT else COMPLETION_MAX_TOKENS,
                       temperature=TEMPERATURE)
@@ -99,22 +89,16 @@ def plan_row(row: Row, tokenizer, max_model_len: int) -> list[Prepared]:
     return _choices([ids], params, n, spec)
 
 
-def _completion_logprobs(body: dict) -> dict:
-    """A completion's logprobs is a count; 0 asks for the chosen tokens' (all we compute)."""
-    logprobs = body.get("logprobs")
-    if logprobs is None:
-        return body
-    if isinstance(logprobs, bool) or logprobs != 0:  # a bool is not a count
-        raise ApiError(400, f"logprobs {logprobs}: {_ALTERNATIVES}; send logprobs 0 to get them",
-                       "unsupported_parameter", "logprobs")
-    return {**body, "logprobs": True}
-
-
-def refuse_unsupported(body: dict) -> None:
+def refuse_unsupported(body: dict) -> dict:
+    """The body to plan, or ApiError naming a field this server cannot honour."""
     for name, noop in _NOOP.items():
-        if name in body and not noop(body[name], body):
-            why = _ALTERNATIVES if name == "top_logprobs" else "this server does not support it"
-            raise ApiError(400, f"{name}={body[name]!r}: {why}; leave it out", "unsupported_parameter", name)
+        if name in body and not noop(body[name]):
+            raise ApiError(400, f"{name}={body[name]!r}: this server does not support it; leave it out",
+                           "unsupported_parameter", name)
+    if body.get("best_of") is not None and body.get("best_of") == (body.get("n") or 1):
+        # best_of = n picks all n: a no-op clients send, not the best-of-n search (which needs n = 1).
+        body = {k: v for k, v in body.items() if k != "best_of"}
+    return body
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:
@@ -139,9 +123,9 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
 
 
 def _row(url: str, body: dict, rid: str) -> Row:
-    # _from_body is the job reader's check of one body (messages, n, max_tokens); a bad body is
-    # a RowError whose message starts with the line number, which means nothing here.
-    row = job_rows._from_body(1, rid, url, body)
+    # row_from_body is the job reader's check of one body (messages, n, max_tokens); a bad body
+    # is a RowError whose message starts with the line number, which means nothing here.
+    row = job_rows.row_from_body(1, rid, url, body)
     if isinstance(row, RowError):
         raise ApiError(400, row.message.removeprefix("line 1: "), row.code)
     return row

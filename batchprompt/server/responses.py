@@ -129,6 +129,9 @@ def result_json(r: Result | None) -> dict[str, Any] | None:
                      "cached_tokens": r.usage.cached_tokens}}
     if r.logprobs is not None:
         out["logprobs"] = r.logprobs
+    tops = getattr(r, "top_logprobs", None)  # getattr: api's Result gains it with top_logprobs asked
+    if tops is not None:
+        out["top_logprobs"] = [[{"token_id": t, "logprob": v} for t, v in pos] for pos in tops]
     if r.parsed is not None:
         out["parsed"] = r.parsed
     if r.choice_probs is not None:

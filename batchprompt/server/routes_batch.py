@@ -42,7 +42,10 @@ async def _prepare(request: Request, state: ServerState, body: dict):
     options = {k: v for k, v in body.items() if k not in _NOT_OPTIONS}
 
     def build():
-        session = LanguageModel.create(system=body.get("system"), model=state.model_key)
+        # The same device and dtype as load(): the service it finds is the server's, not a second engine.
+        c = state.config
+        session = LanguageModel.create(system=body.get("system"), model=state.model_key, device=c.device,
+                                       dtype=c.dtype)
         try:
             return session, session.create_batch(body["prompts"], **options)
         except BaseException:

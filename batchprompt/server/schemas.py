@@ -44,6 +44,14 @@ class _OpenAIBody(_Body):
     guided_regex: str | None = None
     guided_json: Any = None  # a schema object, or its JSON text
     guided_grammar: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None  # JSON keys are text: token ids as strings
+    include_stop_str_in_output: bool | None = None
+    best_of: int | None = None
 
 
 class ChatRequest(_OpenAIBody):

@@ -63,7 +63,8 @@ class ServerState:
         if self._service is not None:
             return
         t0 = time.perf_counter()
-        self._service = get_service(self.model_key, engine_options=self.config.engine_options)
+        c = self.config
+        self._service = get_service(self.model_key, device=c.device, dtype=c.dtype, engine_options=c.engine_options)
         log.info("model %s ready in %.1fs", self.model_id, time.perf_counter() - t0)
 
     @property

@@ -57,6 +57,9 @@ def test_bad_options_exit_2_before_loading(tmp_path):
     for args, words in ((["--model", str(tmp_path / "missing.gguf")], "unknown model"),
                         (["--max-body-bytes", "10"], "--max-body-bytes"),
                         (["--port", "70000"], "--port"),
+                        (["--kv-cache-memory", "lots"], "--kv-cache-memory 'lots' is not a memory size"),
+                        (["--device", "tpu"], "--device tpu: not a device"),
+                        (["--max-model-len", "1"], "--max-model-len must be >= 2"),
                         ([], "$BATCHPROMPT_API_KEY) must not be blank")):
         p = subprocess.run([sys.executable, "-m", "batchprompt.server", *args], capture_output=True, text=True,
                            timeout=300, env=env if not args else None)

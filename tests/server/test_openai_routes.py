@@ -135,7 +135,9 @@ def test_structured_output_json_schema(server):
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, None),
     ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, None),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "invalid_messages"),
-    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400, "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400, "invalid_parameter"),  # no logprobs
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": "a"}, 422, "invalid_type"),
     ({"messages": [{"role": "user", "content": "hi"}], "guided_regex": "("}, 400, None),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 422, "invalid_type"),
     ({"messages": "hi", "max_tokens": "8"}, 422, "invalid_type"),
@@ -156,7 +158,7 @@ def test_chat_errors_in_openai_shape(server, body, status, code):
 
 @pytest.mark.parametrize("body, code", [
     ({"prompt": "hi", "echo": True}, "unsupported_parameter"),
-    ({"prompt": "hi", "logprobs": 2}, "unsupported_parameter"),
+    ({"prompt": "hi", "logprobs": 21}, "invalid_parameter"),
     ({"prompt": []}, "invalid_prompt"),
     ({"prompt": ["ok", ""]}, "invalid_prompt"),
     ({"prompt": [1, 2] * 5000}, "context_length_exceeded"),

@@ -1,0 +1,135 @@
+"""vLLM's and OpenAI's sampling options on a real server started with the engine's flags
+(--device, --dtype, --max-model-len, --kv-cache-memory as `batchprompt run` takes them)."""
+from __future__ import annotations
+
+import dataclasses
+
+import openai
+import pytest
+
+from batchprompt.api.result import Result
+from batchprompt.models import resolve_model
+from batchprompt.models.tokenizer import Tokenizer
+
+from .conftest import error_of, start_server, stop_server
+
+pytestmark = pytest.mark.slow
+
+MAX_MODEL_LEN = 128
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = start_server(tmp_path_factory.mktemp("server"), "--device", "cpu", "--dtype", "float32",
+                       "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "30%")
+    yield srv
+    assert stop_server(srv) == 0, srv.output()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.load(resolve_model(None))
+
+
+def test_max_model_len_reaches_the_engine(server):
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"prompt": [7] * (MAX_MODEL_LEN + 10), "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    error = error_of(r)
+    assert error["code"] == "context_length_exceeded" and f"the context holds {MAX_MODEL_LEN}" in error["message"]
+
+
+def test_logit_bias_forces_a_token(server, tokenizer):
+    [banana] = tokenizer.encode(" banana", add_special_tokens=False)
+    client = server.openai()
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+    assert "banana" not in plain.choices[0].text
+    forced = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                       logit_bias={str(banana): 100})
+    assert forced.choices[0].text == " banana" * 3
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=2, temperature=0, logit_bias={str(banana): 100})
+    assert chat.choices[0].message.content == " banana" * 2
+
+
+def test_penalties_change_a_repetitive_answer(server):
+    client = server.openai()
+    prompt = "Repeat after me: hello hello hello"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    assert plain.choices[0].text.count(" hello") >= 6  # the model repeats, greedily
+    for penalty in ({"presence_penalty": 2}, {"frequency_penalty": 2}, {"extra_body": {"repetition_penalty": 2.0}}):
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, **penalty)
+        assert out.choices[0].text.count(" hello") <= 2, penalty
+
+
+def test_min_tokens_and_include_stop_str_in_output(server):
+    client = server.openai()
+    args = {"model": MODEL, "prompt": "1, 2, 3,", "max_tokens": 8, "temperature": 0, "stop": [","]}
+    plain = client.completions.create(**args)
+    assert plain.choices[0].text == " 4"
+    kept = client.completions.create(**args, extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == " 4,"
+    longer = client.completions.create(**args, extra_body={"min_tokens": 4, "min_p": 0.1})
+    assert longer.usage.completion_tokens >= 4
+
+
+def test_best_of(server):
+    client = server.openai()
+    out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=1, seed=3,
+                                    best_of=3)
+    assert len(out.choices) == 1 and out.choices[0].text
+    same = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, n=2, best_of=2, seed=1)
+    assert len(same.choices) == 2  # best_of = n: all of them, as OpenAI
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, n=2, best_of=3)
+
+
+def _has_top_logprobs() -> bool:
+    return "top_logprobs" in {f.name for f in dataclasses.fields(Result)}
+
+
+def test_chat_top_logprobs_shape(server):
+    out = server.openai().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What colour is the sky?"}], max_tokens=5,
+        temperature=0, logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    if not _has_top_logprobs():
+        pytest.skip("api Result has no top_logprobs yet: the alternatives cannot reach the response")
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the chosen token is the likeliest
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs),
+                                                                  reverse=True)
+
+
+def test_completion_logprobs_count_is_top_logprobs(server):
+    out = server.openai().completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=4, temperature=0,
+                                             logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == out.usage.completion_tokens
+    if not _has_top_logprobs():
+        pytest.skip("api Result has no top_logprobs yet: the alternatives cannot reach the response")
+    assert len(lp.top_logprobs) == len(lp.tokens)
+    for token, top in zip(lp.tokens, lp.top_logprobs):
+        assert 1 <= len(top) <= 2 and token in top  # two ids may decode to the same text
+
+
+@pytest.mark.parametrize("body, code", [
+    ({"prompt": "hi", "echo": True}, "unsupported_parameter"),
+    ({"prompt": "hi", "suffix": "!"}, "unsupported_parameter"),
+    ({"prompt": "hi", "use_beam_search": True}, "unsupported_parameter"),
+    ({"prompt": "hi", "prompt_logprobs": 1}, "unsupported_parameter"),
+    ({"prompt": "hi", "logprobs": 21}, "invalid_parameter"),
+    ({"prompt": "hi", "presence_penalty": 3}, "invalid_parameter"),
+    ({"prompt": "hi", "logit_bias": {"7": 500}}, "invalid_parameter"),
+])
+def test_what_is_not_supported_or_out_of_range_is_400(server, body, code):
+    with server.client() as c:
+        r = c.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = error_of(r)
+    assert error["code"] == code, error
+    assert next(iter(k for k in body if k != "prompt")) in error["message"], error
