@@ -83,7 +83,7 @@ class JobSummary:
                 f"{f' ({self.resumed} from an earlier run)' if self.resumed else ''}; "
                 f"{self.prompt_tokens:,} prompt and {self.completion_tokens:,} generated tokens")
         if not self.run_rows:  # nothing computed now: no rate to give
-            return f"{head}; outputs written from the journal"
+            return f"{head}; {'nothing finished in this run' if self.interrupted else 'outputs written from the journal'}"
         # The rate is this run's tokens over this run's time: resumed rows took no time now.
         rate = self.run_completion_tokens / self.seconds if self.seconds else 0.0
         now = (f"this run {self.run_rows} rows, {self.run_completion_tokens:,} generated tokens "

@@ -1,0 +1,21 @@
+"""The job summary says what happened in this run."""
+from batchprompt.jobs.run import JobSummary
+
+
+def test_an_interrupted_run_that_finished_nothing_does_not_claim_written_outputs():
+    # Stopped (SIGTERM, Ctrl-C) before any row finished: no output file was written.
+    text = str(JobSummary(rows=60, interrupted=True, interrupted_by=15))
+    assert "outputs written" not in text
+    assert "nothing finished in this run" in text
+
+
+def test_a_complete_rerun_says_its_outputs_come_from_the_journal():
+    text = str(JobSummary(rows=60, ok=60, resumed=60))
+    assert "outputs written from the journal" in text
+
+
+def test_notes_follow_the_headline():
+    text = str(JobSummary(rows=2, ok=2, run_rows=2, run_completion_tokens=10, seconds=1.0,
+                          notes=["ignored unknown body fields: foo (1 row)"]))
+    assert text.splitlines()[1] == "ignored unknown body fields: foo (1 row)"
+    assert "10 tok/s" in text.splitlines()[0]
