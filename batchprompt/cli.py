@@ -85,7 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--regex", default=None, metavar="RE", help="every answer matches this regular expression")
     run.add_argument("--json-schema", default=None, metavar="FILE|JSON",
                      help="every answer is JSON valid against this schema (a file or inline JSON)")
-    hw = run.add_argument_group("model and hardware")
+    add_hardware_arguments(run.add_argument_group("model and hardware"), "a longer row fails alone")
+    from .server.command import add_parser as add_serve_parser  # imports no web framework yet
+    add_serve_parser(sub)
+    return ap
+
+
+
+def add_hardware_arguments(hw, too_long: str) -> None:
+    """The engine's model and hardware options, shared by `run` and `serve` (`too_long`: what
+    happens to a prompt longer than --max-model-len)."""
     hw.add_argument("--device", default="auto", metavar="DEVICE",
                     help="where the model runs: auto (a CUDA GPU when one is visible, else the CPU), cpu, cuda, "
                          "or cuda:N for GPU N (default auto); e.g. --device cuda:1")
@@ -94,17 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "supports it, else float32); e.g. --dtype float32")
     hw.add_argument("--max-model-len", type=int, default=None, metavar="N",
                     help="context length in tokens, prompt plus answer (default: the model's own, also the "
-                         "most); a longer row fails alone (context_length_exceeded); e.g. --max-model-len 4096")
+                         f"most); {too_long} (context_length_exceeded); e.g. --max-model-len 4096")
     hw.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                     help="KV cache ceiling: bytes with a unit (4GiB, 512MB, 1.5G; K/M/G/T alone are binary), "
                          "plain bytes, or a share of free memory (0.3 or 30%%; default 25%%); the cache grows "
                          "to what the work needs, up to it; e.g. --kv-cache-memory 8GiB")
     hw.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
                     help="sequences run at once (default 512); e.g. --max-num-seqs 64")
-    from .server.command import add_parser as add_serve_parser  # imports no web framework yet
-    add_serve_parser(sub)
-    return ap
-
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)

@@ -47,20 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-file-bytes", type=int, default=DEFAULT_MAX_FILE_BYTES, metavar="N",
                    help=f"refuse Batch API uploads larger than this with 413 (default {DEFAULT_MAX_FILE_BYTES:,})")
     # The engine's options, as `batchprompt run` takes them (checked by the same code in cli.py).
-    p.add_argument("--device", default="auto", metavar="DEVICE",
-                   help="where the model runs: auto (a CUDA GPU when one is visible, else the CPU), cpu, cuda, "
-                        "or cuda:N for GPU N (default auto)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="precision of the weights and KV cache (default auto: bfloat16 where the hardware "
-                        "supports it, else float32)")
-    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                   help="context length in tokens, prompt plus answer (default: the model's own, also the most); "
-                        "a longer request is refused with 400 (context_length_exceeded)")
-    p.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
-                   help="engine: sequences run at once (default 512)")
-    p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
-                   help="engine: KV cache ceiling: bytes with a unit (4GiB, 512MB, 1.5G; K/M/G/T alone are "
-                        "binary), plain bytes, or a share of free memory (0.3 or 30%%; default 25%%)")
+    from ..cli import add_hardware_arguments
+    add_hardware_arguments(p, "a longer request is refused with 400")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help=f"refuse request bodies larger than this with 413 (default {DEFAULT_MAX_BODY_BYTES:,})")
     p.add_argument("--batch-retention", type=float, default=DEFAULT_BATCH_RETENTION_S, metavar="SECONDS",
