@@ -1,7 +1,11 @@
-"""Pick a device and dtype: CUDA when present, bfloat16 where the hardware supports it."""
+"""Pick a device and dtype: CUDA when present, bfloat16 where the hardware supports it; set up
+the thread that steps an engine."""
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
+import threading
 
 import torch
 
@@ -46,3 +50,77 @@ def available_memory(device: torch.device) -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+# ---- the thread that steps an engine ------------------------------------------------------------
+# Why an idle OpenMP team is held. PyTorch's CPU ops run on libgomp, where every thread that
+# enters a parallel region owns a team of its own (the intra-op count less one worker threads)
+# until that thread ends. A thread that waits (a worker between regions, or one at a region's
+# closing barrier) spins for about 300,000 iterations, milliseconds, before it sleeps, but for
+# only about 100 while the process's OpenMP threads outnumber the CPUs. An engine stepped on a
+# thread whose team is the process's only one gets the long spin: its workers spin through the
+# Python run between the hundreds of regions of a step, and each region waits at its end for a
+# thread the OS put off in favour of a spinning one whenever anything else wants a CPU (callers
+# tokenizing prompts, the callback thread, other processes): decoding ran 7 to 30 times slower
+# on a busy 2-core machine. Whether another team was there depended on where the engine was
+# built: the main thread's team stays; that of a worker thread that ended (asyncio.to_thread,
+# a server's thread) went with it. An idle team held for the life of the process makes the
+# short wait the rule wherever the engine was built, as it already was when built on the main
+# thread. (The long spin can be faster on a machine left to the engine alone, but it is the
+# cliff above as soon as it is not.) Setting the environment from here would not do:
+# libgomp reads OMP_WAIT_POLICY and GOMP_SPINCOUNT once, when `import torch` loads it; where a
+# user set either, their choice stands.
+WAIT_POLICY_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+IDLE_TEAM_THREAD_NAME = "bp-omp-idle"  # the OS name of the idle team's threads (15 bytes at most)
+ENGINE_THREAD_NAME = "bp-engine"  # ... and of the engine thread and its OpenMP workers
+_idle_team: threading.Thread | None = None
+_idle_team_lock = threading.Lock()
+
+
+def prepare_engine_thread() -> None:
+    """Call first on a thread that will step an engine (the service's engine thread), before
+    it runs any op. Names the thread (its OpenMP workers inherit the name: `top -H` and py-spy
+    show the engine's threads as bp-engine) and makes sure that an idle OpenMP team is held
+    for the life of the process, so that the engine's threads wait briefly, as when it was
+    built on the main thread, wherever it was built (see the note above). Never raises."""
+    set_os_thread_name(ENGINE_THREAD_NAME)
+    hold_idle_openmp_team()
+
+
+def hold_idle_openmp_team(timeout: float = 10.0) -> bool:
+    """Start, once per process, a thread that opens one parallel region and then waits for
+    ever, so its team (as many threads as the intra-op count, all asleep) stays. Returns
+    whether one is held. None is made with one intra-op thread (no team, nothing waits) or
+    where the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT (their choice of waiting stands)."""
+    global _idle_team
+    with _idle_team_lock:
+        if _idle_team is None or not _idle_team.is_alive():  # not alive: the process forked
+            if torch.get_num_threads() < 2 or any(os.environ.get(v) for v in WAIT_POLICY_VARIABLES):
+                return False
+            ready = threading.Event()
+            _idle_team = threading.Thread(target=_hold_team, args=(ready,), name="batchprompt-openmp-idle",
+                                          daemon=True)
+            _idle_team.start()
+            ready.wait(timeout)  # bounded: the engine thread never hangs on this
+    return True
+
+
+def _hold_team(ready: threading.Event) -> None:
+    set_os_thread_name(IDLE_TEAM_THREAD_NAME)
+    try:
+        # Over ATen's grain of 32,768 elements, so the fill runs as one parallel region.
+        torch.zeros(1 << 16)
+    finally:
+        ready.set()
+    threading.Event().wait()  # never set: the team lives as long as the process
+
+
+def set_os_thread_name(name: str) -> None:
+    """Give the calling thread an OS-level name (Linux only, 15 bytes at most); threads it
+    starts from now on, OpenMP workers among them, inherit it."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME
+    except (OSError, AttributeError):  # no prctl in this C library: the name is only a help
+        pass

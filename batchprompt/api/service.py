@@ -27,6 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..device import prepare_engine_thread
 from ..engine import LLMEngine, RequestOutput, SamplingParams
 from .callbacks import CallbackThread
 from .result import EngineStoppedError
@@ -162,6 +163,7 @@ class EngineService:
 
     # ---- engine thread ----------------------------------------------------------------------
     def _loop(self) -> None:
+        prepare_engine_thread()  # before this thread runs any op: why, in device.py
         failure = None  # why the loop died, as text: the exception's traceback holds the engine
         try:
             while True:
