@@ -3,26 +3,18 @@ prefill, min_tokens, logit_bias, top_logprobs; stop strings; validation; the bat
 from __future__ import annotations
 
 import pytest
-import torch
 
-from batchprompt import EngineConfig, LLMEngine, SamplingParams
+from batchprompt import SamplingParams
 from batchprompt.api.options import GenerationOptions
 from batchprompt.engine.request import Request
 from batchprompt.engine.stop import check_stop
-from batchprompt.models import build_model, load_hf_weights, resolve_model
+
+from .test_engine import engine, tiny_model  # noqa: F401  (fixture; one definition for tests/engine)
 
 EOS = 2  # the tiny model's
 PROMPT = list(range(3, 40))  # 37 tokens: full blocks, then a partial one
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tiny_model_dir):
-    args, weights = load_hf_weights(resolve_model(tiny_model_dir))
-    return build_model(args, weights, torch.float32, torch.device("cpu"))
-
-
-def engine(model, **cfg) -> LLMEngine:
-    return LLMEngine.from_model(model, None, EngineConfig(**cfg))
 
 
 def sampled(**kw) -> SamplingParams:
