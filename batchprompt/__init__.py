@@ -10,3 +10,14 @@ __all__ = ["Batch", "BatchError", "BatchStats", "DeadlineExceeded", "EngineConfi
            "LLMEngine", "LanguageModel", "ModelNotFoundError", "Progress", "QueueFull", "RequestOutput", "Result",
            "SamplingParams", "SessionDestroyedError", "Usage", "WorkerDied", "abatch_prompt", "batch_prompt",
            "dynamically", "shutdown"]
+
+# Exported lazily: `import batchprompt` imports none of these optional parts (nor Ray).
+_LAZY = {"RayCluster": "batchprompt.ray.cluster", "EndpointPool": "batchprompt.remote.pool"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'batchprompt' has no attribute {name!r}")

@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json-schema", default=None, metavar="FILE|JSON",
                      help="every answer is JSON valid against this schema (a file or inline JSON)")
     add_hardware_arguments(run.add_argument_group("model and hardware"), "a longer row fails alone")
+    add_ray_arguments(run.add_argument_group("Ray (engine replicas on a Ray cluster; pip install 'batchprompt[ray]')"))
+    add_endpoint_arguments(run.add_argument_group("remote endpoints (OpenAI-compatible servers: vLLM, SGLang, "
+                                                  "batchprompt serve)"))
     from .server.command import add_parser as add_serve_parser  # imports no web framework yet
     add_serve_parser(sub)
     return ap
@@ -111,6 +114,65 @@ def add_hardware_arguments(hw, too_long: str) -> None:
     hw.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
                     help="sequences run at once (default 512); e.g. --max-num-seqs 64")
 
+
+def add_endpoint_arguments(g) -> None:
+    g.add_argument("--endpoints", default=None, metavar="HOSTFILE",
+                   help="run on these servers instead of a local engine: a file of one endpoint a line (host:port, "
+                        "'host port' or a URL; # comments; weight=2 tags); --model names the served model (default: "
+                        "the one they serve)")
+    g.add_argument("--api-key", default=None, metavar="KEY",
+                   help="the servers' API key (default: $BATCHPROMPT_API_KEY, then $OPENAI_API_KEY, if set)")
+
+
+def _endpoint_pool(args: argparse.Namespace):
+    """The EndpointPool of --endpoints; None without it (ValueError: a bad hostfile, no server)."""
+    if args.endpoints is None:
+        if args.api_key is not None:
+            raise ValueError("--api-key needs --endpoints")
+        return None
+    from .remote import EndpointPool, PoolError
+
+    key = args.api_key or os.environ.get("BATCHPROMPT_API_KEY") or os.environ.get("OPENAI_API_KEY") or None
+    try:
+        return EndpointPool(args.endpoints, model=args.model, api_key=key, max_model_len=args.max_model_len)
+    except PoolError as e:
+        raise ValueError(f"--endpoints {args.endpoints}: {e}") from None
+
+
+def add_ray_arguments(g) -> None:
+    g.add_argument("--ray", action="store_true",
+                   help="run the model as engine replicas on Ray (same outputs, journal and resume; a lost replica's "
+                        "rows run again on the others)")
+    g.add_argument("--address", default=None, metavar="ADDR",
+                   help="the Ray cluster: auto (the one `ray start` runs on this machine), host:port of its head, or "
+                        "ray://host:port (default: RAY_ADDRESS, else a cluster `ray start` runs here, else a new local Ray)")
+    g.add_argument("--replicas", type=int, default=None, metavar="N", help="engine replicas (default 1)")
+    g.add_argument("--replica-cpus", type=float, default=None, metavar="C",
+                   help="CPUs per replica; also its torch threads (default 1)")
+    g.add_argument("--replica-gpus", type=float, default=None, metavar="G",
+                   help="GPUs per replica (1: one replica per GPU; default 0)")
+
+
+def _ray_cluster(args: argparse.Namespace):
+    """The RayCluster of --ray and its options; None without --ray (ValueError: a bad option)."""
+    given = [f for f, v in (("--address", args.address), ("--replicas", args.replicas),
+                            ("--replica-cpus", args.replica_cpus), ("--replica-gpus", args.replica_gpus)) if v is not None]
+    if not args.ray:
+        if given:
+            raise ValueError(f"{', '.join(given)} need --ray")
+        return None
+    from .ray.cluster import RAY_MISSING, RayCluster, ray_available
+
+    if not ray_available():
+        raise ValueError(f"--ray: {RAY_MISSING}")
+    opts = {k: v for k, v in (("address", args.address), ("replicas", args.replicas),
+                              ("replica_cpus", args.replica_cpus), ("replica_gpus", args.replica_gpus)) if v is not None}
+    try:
+        return RayCluster(**opts)
+    except ValueError as e:
+        raise ValueError(f"--ray: {e}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="batchprompt: %(levelname)s: %(message)s")
@@ -127,6 +189,7 @@ def run_command(args: argparse.Namespace) -> int:
     from .jobs.sigterm import sigterm_as_interrupt
     from .jobs.storage import StorageError
     from .models import ModelNotFoundError
+    from .ray.cluster import ClusterError  # imports no Ray
 
     if args.max_tokens < 1:
         return _fail(f"--max-tokens must be >= 1, got {args.max_tokens}")
@@ -140,19 +203,29 @@ def run_command(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(str(e))
     try:
-        device = _check_device(args.device)
-        engine_options = _engine_options(args, device)
+        cluster = _ray_cluster(args)
+        pool = _endpoint_pool(args)
+        if pool is not None:
+            if cluster is not None:
+                raise ValueError("give --endpoints or --ray, not both")
+            cluster, args.model = pool, pool.model  # the served model (also in the journal's fingerprint)
+        # With --ray the device is the replicas' (checked there, where the GPUs are), not this machine's.
+        device = _check_device(args.device) if cluster is None else args.device.strip().lower()
+        engine_options = _engine_options(args, device if cluster is None else "auto")
     except ValueError as e:
         return _fail(str(e))
     opts = JobOptions(input=args.input, output=args.output, errors=args.errors, model=args.model,
                       system=args.system, max_tokens=args.max_tokens, temperature=args.temperature,
                       seed=args.seed, column=args.column, format=args.format, dry_run=args.dry_run,
                       restart=args.restart, progress=not args.no_progress, journal=args.journal,
-                      device=device, dtype=args.dtype, engine_options=engine_options, structured=structured)
+                      device=device, dtype=args.dtype, engine_options=engine_options, structured=structured,
+                      cluster=cluster)
     try:
         with sigterm_as_interrupt():
             summary = run_job(opts)
     except (InputError, ModelNotFoundError, JournalMismatch, JournalBusy) as e:
+        return _fail(str(e))
+    except ClusterError as e:  # --ray: Ray cannot be reached, or no replica could start
         return _fail(str(e))
     except StorageError as e:
         print(f"batchprompt: error: {e}", file=sys.stderr)

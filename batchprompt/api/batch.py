@@ -22,7 +22,7 @@ from .callbacks import on_callback_thread
 from .items import Prepared, check_errors, to_result
 from .progress import Progress
 from .result import EngineStoppedError, Result
-from .service import EngineService, Item, Source
+from ..backends.base import INTERACTIVE, Backend, Item, Source
 from .structured import OutputSpec
 
 log = logging.getLogger("batchprompt")
@@ -35,9 +35,10 @@ class Batch:
     goes away (Ctrl-C in `wait()`, a cancelled task, leaving an iteration early) cancels what
     has not finished, so the engine does not go on computing answers nobody reads."""
 
-    def __init__(self, service: EngineService, prepared: list[Prepared], progress: bool = False,
-                 group_by_prefix: bool = True):
+    def __init__(self, service: Backend, prepared: list[Prepared], progress: bool = False,
+                 group_by_prefix: bool = True, priority: int = INTERACTIVE):
         self._service = service
+        self._priority = priority
         self._prepared = prepared
         self.total = len(prepared)
         self._group = group_by_prefix
@@ -86,7 +87,7 @@ class Batch:
         if self._show_progress:
             from tqdm import tqdm
             self._bar = tqdm(total=self.total, unit="prompt", dynamic_ncols=True, smoothing=0.1)
-        source = Source()
+        source = Source(priority=self._priority)
         order = [p for p in self._prepared if p.token_ids is not None]
         if self._group and len(order) > 1:
             # Prompts that share a prefix go to the engine together, so the prefix is computed

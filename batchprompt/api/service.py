@@ -17,6 +17,7 @@ the reason, the service leaves the registry, and the next caller gets a fresh en
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import logging
@@ -24,11 +25,11 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..backends.base import Item, Source  # noqa: F401  (the seam's types, imported from here too)
 from ..device import prepare_engine_thread
-from ..engine import LLMEngine, RequestOutput, SamplingParams
+from ..engine import EngineStats, LLMEngine, RequestOutput, SamplingParams
 from .callbacks import CallbackThread
 from .result import EngineStoppedError
 
@@ -37,26 +38,9 @@ log = logging.getLogger("batchprompt")
 SHUT_DOWN = "the engine was shut down (bp.shutdown() or LanguageModel.close())"
 
 
-@dataclass(eq=False)
-class Item:
-    """One prompt on its way to the engine. `on_done` runs on the engine thread."""
-
-    token_ids: list[int]
-    params: SamplingParams
-    on_done: Callable[[RequestOutput], None]
-    request_id: str | None = None
-
-
-@dataclass(eq=False)
-class Source:
-    """A caller's pending items, handed to the engine in this order."""
-
-    items: deque[Item] = field(default_factory=deque)
-    in_engine: dict[str, Item] = field(default_factory=dict)
-    cancelled: bool = False
-
-
 class EngineService:
+    """The local backend (see backends/base.py): one engine in this process."""
+
     def __init__(self, engine: LLMEngine, name: str = "model", lookahead_s: float = 2.0):
         self._engine: LLMEngine | None = engine
         self.name = name
@@ -85,6 +69,44 @@ class EngineService:
     @property
     def stopped(self) -> bool:
         return self._stopping
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def stats(self, timeout: float | None = None) -> EngineStats:
+        """A copy of the engine's counters, taken between steps (TimeoutError after `timeout`
+        seconds, EngineStoppedError once stopped)."""
+        return self.call(lambda: dataclasses.replace(self.engine.stats)).result(timeout)
+
+    def pin_prefix(self, name: str, token_ids: list[int]) -> Future:
+        """Prefill `token_ids` as a one-token request, then pin its blocks under `name` on the
+        engine thread right after the prefill (before anything can evict them)."""
+        fut: Future = Future()
+
+        def done(out: RequestOutput) -> None:
+            if out.error:
+                fut.set_exception(ValueError(f"the session's system prompt cannot run: {out.error}"))
+            else:
+                try:
+                    fut.set_result(self.engine.pin_prefix(name, token_ids))
+                except BaseException as e:  # noqa: BLE001  (handed to the caller)
+                    fut.set_exception(e)
+
+        if not token_ids:
+            fut.set_result(0)
+            return fut
+        source = Source()
+        source.items.append(Item(list(token_ids), SamplingParams(max_tokens=1, temperature=0.0), done))
+        self.submit(source)
+        return fut
+
+    def copy_pin(self, source: str, name: str) -> Future:
+        return self.call(lambda: self.engine.copy_pin(source, name))
 
     # ---- callers' side (any thread) --------------------------------------------------------
     def submit(self, source: Source) -> None:
@@ -193,30 +215,64 @@ class EngineService:
         return cfg.max_num_seqs + max(64, int(self._rate * self.lookahead_s))
 
     def _feed(self) -> None:
-        room = self._window() - len(self._in_engine)
+        """Move items from the sources into the engine: higher-priority sources first,
+        round-robin within a priority class, each item with its source's priority.
+
+        Each class has its own window: items of priority p enter while fewer than `_window()`
+        items of priority p or higher are in the engine. So the bulk rows already fed never
+        keep an interactive item out: it enters at once, and the engine admits it ahead of them
+        (with `priority_scheduling` off, one window and one class, as before priorities)."""
+        window = self._window()
+        prioritized = self.engine.config.priority_scheduling
         refused: list[tuple[Item, RequestOutput]] = []
         with self._cond:
-            while room > 0 and self._sources:
-                source = self._sources[0]
-                if source.cancelled or not source.items:
-                    self._sources.popleft()
-                    continue
-                item = source.items.popleft()
-                self._sources.rotate(-1)
-                item.request_id = rid = f"{self.name}-{next(self._ids)}"
-                try:
-                    self.engine.add_request(item.token_ids, item.params, rid)
-                except Exception as e:  # noqa: BLE001  (e.g. a grammar's tokenizer cannot be built)
-                    log.exception("the engine refused a request")
-                    self._discard(rid)
-                    refused.append((item, RequestOutput(rid, item.token_ids, [], "", "error", error=(
-                        f"the engine could not queue this prompt: {type(e).__name__}: {e}"))))
-                    continue
-                source.in_engine[rid] = item
-                self._in_engine[rid] = (source, item)
-                room -= 1
+            if not self._sources:
+                return
+            classes = self._sources_by_priority(prioritized)
+            fed = self._fed_by_priority(prioritized)
+            for priority in sorted(classes, reverse=True):
+                queue = classes[priority]
+                room = window - sum(n for p, n in fed.items() if p >= priority)
+                while room > 0 and queue:
+                    source = queue[0]
+                    if source.cancelled or not source.items:
+                        queue.popleft()
+                        continue
+                    item = source.items.popleft()
+                    queue.rotate(-1)
+                    item.request_id = rid = f"{self.name}-{next(self._ids)}"
+                    try:
+                        self.engine.add_request(item.token_ids, item.params, rid, priority=priority)
+                    except Exception as e:  # noqa: BLE001  (e.g. a grammar's tokenizer cannot be built)
+                        log.exception("the engine refused a request")
+                        self._discard(rid)
+                        refused.append((item, RequestOutput(rid, item.token_ids, [], "", "error", error=(
+                            f"the engine could not queue this prompt: {type(e).__name__}: {e}"))))
+                        continue
+                    source.in_engine[rid] = item
+                    self._in_engine[rid] = (source, item)
+                    fed[priority] = fed.get(priority, 0) + 1
+                    room -= 1
+            self._sources = deque(s for p in sorted(classes, reverse=True) for s in classes[p]
+                                  if s.items and not s.cancelled)
         for item, out in refused:
             self._answer(item, out)
+
+    def _sources_by_priority(self, prioritized: bool) -> dict[int, deque[Source]]:
+        """The waiting sources by priority class (all in one without priorities), each class in
+        its round-robin order."""
+        classes: dict[int, deque[Source]] = {}
+        for source in self._sources:
+            classes.setdefault(source.priority if prioritized else 0, deque()).append(source)
+        return classes
+
+    def _fed_by_priority(self, prioritized: bool) -> dict[int, int]:
+        """How many items of each priority class are in the engine."""
+        fed: dict[int, int] = {}
+        for source, _ in self._in_engine.values():
+            p = source.priority if prioritized else 0
+            fed[p] = fed.get(p, 0) + 1
+        return fed
 
     def _discard(self, rid: str) -> None:
         """Drop a request the engine may hold half-added, so it is not stepped for ever (its

@@ -15,16 +15,15 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from concurrent.futures import Future
 from typing import Any, Iterable, Sequence
 
-from ..engine import LLMEngine, RequestOutput, SamplingParams
+from ..engine import LLMEngine
 from .batch import Batch
 from .items import Prepared, check_errors
 from .messages import check_messages, with_default_system
 from .options import GenerationOptions
 from .result import EngineStoppedError, Result, SessionDestroyedError
-from .service import EngineService, Item, Source, get_service
+from ..backends import INTERACTIVE, Backend, get_backend
 
 Message = dict[str, str]
 Prompt = str | Sequence[Message]
@@ -36,7 +35,7 @@ class LanguageModel:
     seed, stop, logprobs; structured output: choices, choice_mode, regex, json_schema,
     response_format, grammar) set here are the session's defaults; each call may override them."""
 
-    def __init__(self, service: EngineService, initial_prompts: list[Message], options: GenerationOptions,
+    def __init__(self, service: Backend, initial_prompts: list[Message], options: GenerationOptions,
                  _pin_from: str | None = None):
         self._service = service
         self._initial = initial_prompts
@@ -46,18 +45,20 @@ class LanguageModel:
         self._lock = threading.Lock()
         self.prefix_token_ids = self._prefix_ids()
         if _pin_from is not None:
-            self.pinned_tokens = service.call(lambda: service.engine.copy_pin(_pin_from, self._name)).result()
+            self.pinned_tokens = service.copy_pin(_pin_from, self._name).result()
         else:
-            self.pinned_tokens = self._compute_prefix()
+            self.pinned_tokens = service.pin_prefix(self._name, self.prefix_token_ids).result()
         service.add_session(self._name)
         self._finalizer = weakref.finalize(self, _unpin, service, self._name)
 
     @classmethod
     def create(cls, system: str | None = None, initial_prompts: Sequence[Message] | None = None,
-               model: str | LLMEngine | None = None, *, device: str = "auto", dtype: str = "auto",
-               engine_options: dict | None = None, **options: Any) -> "LanguageModel":
+               model: Any = None, *, device: str = "auto", dtype: str = "auto",
+               engine_options: dict | None = None, cluster: Any = None, **options: Any) -> "LanguageModel":
         """A session on `model` (None: the embedded SmolLM2-135M; a .gguf path, a Hugging Face
-        directory or hub id; or an LLMEngine). One engine per model serves the whole process."""
+        directory or hub id; an LLMEngine; or a `bp.EndpointPool` of remote servers). One engine
+        per model serves the whole process. With `cluster=bp.RayCluster(...)` the model runs as
+        engine replicas on Ray instead."""
         initial = _check_messages(list(initial_prompts or []), "initial_prompts")
         if system is not None:
             if initial and initial[0]["role"] == "system":
@@ -65,12 +66,12 @@ class LanguageModel:
                                  "initial_prompts, not both")
             initial.insert(0, {"role": "system", "content": system})
         opts = GenerationOptions().merged(options)
-        service = get_service(model, device=device, dtype=dtype, engine_options=engine_options)
+        service = get_backend(model, cluster=cluster, device=device, dtype=dtype, engine_options=engine_options)
         return cls(service, initial, opts)
 
     # ---- the prefix ------------------------------------------------------------------------
     def _render_ids(self, messages: list[Message]) -> list[int]:
-        tok = self._service.engine.tokenizer
+        tok = self._service.tokenizer
         if tok is None:
             raise ValueError("this engine has no tokenizer: the batch API needs one to render prompts")
         return tok.encode_prompt(messages)
@@ -85,24 +86,6 @@ class LanguageModel:
             n += 1
         return a[:n]
 
-    def _compute_prefix(self) -> int:
-        ids = self.prefix_token_ids
-        if not ids:
-            return 0
-        engine, name = self._service.engine, self._name
-        fut: Future = Future()
-
-        def done(out: RequestOutput) -> None:  # on the engine thread, right after the prefill
-            if out.error:
-                fut.set_exception(ValueError(f"the session's system prompt cannot run: {out.error}"))
-            else:
-                fut.set_result(engine.pin_prefix(name, ids))
-
-        source = Source()
-        source.items.append(Item(ids, SamplingParams(max_tokens=1, temperature=0.0), done))
-        self._service.submit(source)
-        return fut.result()
-
     # ---- prompts ---------------------------------------------------------------------------
     def _check_alive(self) -> None:
         if self._destroyed:
@@ -116,7 +99,7 @@ class LanguageModel:
         self._check_alive()
         if isinstance(prompts, str):
             raise TypeError("batch_prompt takes a list of prompts; for one prompt use prompt()")
-        params, spec = self.options.merged(options).sampling_params(self._service.engine.tokenizer)
+        params, spec = self.options.merged(options).sampling_params(self._service.tokenizer)
         out = []
         for i, prompt in enumerate(prompts):
             try:
@@ -131,9 +114,12 @@ class LanguageModel:
         # A prompt's own system message replaces the session's, as a job row's replaces --system.
         return with_default_system(self._initial, _check_messages(list(prompt), "a prompt"))
 
-    def create_batch(self, prompts: Iterable[Prompt], *, progress: bool = False, **options: Any) -> Batch:
-        """A streaming batch (not started: call start(), wait(), or iterate it)."""
-        return Batch(self._service, self._prepare(prompts, options), progress=progress)
+    def create_batch(self, prompts: Iterable[Prompt], *, progress: bool = False, priority: int = INTERACTIVE,
+                     **options: Any) -> Batch:
+        """A streaming batch (not started: call start(), wait(), or iterate it). `priority`:
+        `batchprompt.backends.BULK` runs it behind interactive calls (never starved), as the server runs
+        background batches."""
+        return Batch(self._service, self._prepare(prompts, options), progress=progress, priority=priority)
 
     def batch_prompt(self, prompts: Iterable[Prompt], *, errors: str = "return", progress: bool = False,
                      **options: Any) -> list[Result]:
@@ -185,14 +171,19 @@ class LanguageModel:
 
     @property
     def engine(self) -> LLMEngine:
+        """The local engine (AttributeError on a remote or Ray backend, which has none here)."""
         return self._service.engine
+
+    @property
+    def backend(self) -> Backend:
+        return self._service
 
     @property
     def system(self) -> str | None:
         return self._initial[0]["content"] if self._initial and self._initial[0]["role"] == "system" else None
 
 
-def _unpin(service: EngineService, name: str) -> None:
+def _unpin(service: Backend, name: str) -> None:
     service.close_session(name)
 
 

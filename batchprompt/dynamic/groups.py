@@ -19,14 +19,16 @@ class _Group:
     asyncio callers on one loop submitted in the same turn of the loop (they share one group,
     so resolving a batch costs one loop callback per loop, not one per item)."""
 
-    __slots__ = ("results", "remaining", "lock", "loop", "waiters", "resolved", "next", "timed")
+    __slots__ = ("results", "remaining", "lock", "loop", "waiters", "resolved", "next", "solo")
 
     def __init__(self, n: int, loop: asyncio.AbstractEventLoop | None):
         self.results: list[Any] = [None] * n
         self.remaining = n
         self.loop = loop
         self.next: _Group | None = None  # thread callers wake each other in a chain
-        self.timed = False  # its caller waits with a timeout (and may leave): not in a chain
+        # Woken on its own, not in a chain: its caller waits with a timeout (and may leave), or
+        # waits on several groups in turn (imap), oldest first, against the chains' newest first.
+        self.solo = False
         if loop is None:
             self.lock = new_lock()
             self.lock.acquire()
@@ -68,13 +70,18 @@ class _LoopBuffer:
 def hand_over(groups: list[_Group]) -> None:
     """Wake the callers. Threads are woken in chains: the worker wakes the head of each,
     each caller wakes the next as it returns. A herd of 64 threads woken at once would fight
-    over the GIL and cost more than the calls (measured: 2 chains beat 1 and a herd here)."""
+    over the GIL and cost more than the calls (measured: 2 chains beat 1 and a herd here).
+
+    Newest first (`groups` is in queue order): whoever reads results in submission order (a
+    thread pool's `map`, a loop over futures) waits on the oldest caller of the batch, which is
+    woken last, so that reader wakes about once per batch, not every other caller (measured
+    with `ThreadPoolExecutor(64).map`: 0.03 wake-ups of its reader per item, against 0.5)."""
     by_loop: dict[asyncio.AbstractEventLoop, list[_Group]] = {}
     chains: list = [None] * _CHAINS
     i = 0
-    for group in reversed(groups):
+    for group in groups:  # each chain's head is pushed last: the chains run newest to oldest
         if group.loop is None:
-            if group.timed:
+            if group.solo:
                 group.lock.release()
             else:
                 group.next, chains[i] = chains[i], group

@@ -89,11 +89,13 @@ class BatchProcessor(RunQueue, Worker):
         return IDLE_EXIT_S
 
     # ---- threads -------------------------------------------------------------------------
-    def submit(self, items: Sequence, priority: int = 0, timeout: float | None = None) -> _Group:
-        """From a thread: queue `items` as one group; `wait` on it."""
+    def submit(self, items: Sequence, priority: int = 0, timeout: float | None = None,
+               solo: bool = False) -> _Group:
+        """From a thread: queue `items` as one group; `wait` on it. `solo`: the caller holds several
+        groups at once (imap), so this one is woken on its own, not in a chain."""
         n = len(items)
         group = _Group(n, None)
-        group.timed = timeout is not None
+        group.solo = solo or timeout is not None
         if n == 0:
             group.lock.release()
             return group

@@ -36,7 +36,7 @@ def imap(processor, items: Iterable, max_in_flight: int, priority: int) -> Itera
             if not part:
                 exhausted = True
                 break
-            pending.append(processor.submit(part, priority))
+            pending.append(processor.submit(part, priority, solo=True))  # waited on oldest first
             in_flight += len(part)
         if not pending:
             return

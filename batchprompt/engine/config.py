@@ -22,6 +22,17 @@ class EngineConfig:
     watermark: float = 0.01  # share of blocks kept free when admitting new requests
     # Structured output: append the tokens a grammar forces without a decode step for each.
     jump_forward: bool = True
+    # Priority classes (a request's `priority`, higher first; see scheduler.py). False: one
+    # first-come queue for every request, whatever its priority.
+    priority_scheduling: bool = True
+    # While requests of a higher priority are in the engine (and for a second after), a step
+    # takes lower-priority tokens only up to this many times the time the higher ones would
+    # take alone, from the measured step times (e.g. 2.0: a short chat request beside a big
+    # batch runs at most about twice as slow). None: no limit (the batch's throughput first).
+    priority_slowdown: float | None = 2.0
+    # A priority class that got no token for this many steps in a row, while higher ones ran,
+    # has its oldest request promoted above every class until it finishes: nothing starves.
+    max_starved_steps: int = 32
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -32,3 +43,7 @@ class EngineConfig:
             raise ValueError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be a positive number of bytes")
+        if self.priority_slowdown is not None and not self.priority_slowdown > 1:
+            raise ValueError(f"priority_slowdown must be > 1 (or None: no limit), got {self.priority_slowdown}")
+        if self.max_starved_steps < 1:
+            raise ValueError(f"max_starved_steps must be >= 1, got {self.max_starved_steps}")

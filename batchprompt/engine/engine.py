@@ -81,15 +81,18 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, priority: int = 0) -> str:
         """Queue a prompt (text, encoded without a chat template, or token ids). A prompt that
-        cannot run fails alone: its error comes back from the next `step()`."""
+        cannot run fails alone: its error comes back from the next `step()`. A higher
+        `priority` is admitted first and preempted last, without starving lower ones (see
+        scheduler.py; ignored when `priority_scheduling` is off)."""
         params = params or SamplingParams()
+        priority = int(priority) if self.config.priority_scheduling else 0
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        req = self._new_request(request_id, ids, params)
+        req = self._new_request(request_id, ids, params, priority)
         problem = (self._validate(ids) or sampling_problem(params, self.model.args.vocab_size)
                    or self._prepare_structured(req))
         if problem:
@@ -97,7 +100,7 @@ class LLMEngine:
             self._rejected.append(req)
         elif params.num_samples > 1:  # samples queued together: the prompt's blocks are shared
             req.matcher = None
-            children = [self._new_request(sample_id(request_id, i), ids, child_params(params, i))
+            children = [self._new_request(sample_id(request_id, i), ids, child_params(params, i), priority)
                         for i in range(params.num_samples)]
             self._samples.add(req, children)
             for child in children:
@@ -107,11 +110,11 @@ class LLMEngine:
             self.scheduler.add(req)
         return request_id
 
-    def _new_request(self, request_id: str, ids: list[int], params: SamplingParams) -> Request:
+    def _new_request(self, request_id: str, ids: list[int], params: SamplingParams, priority: int = 0) -> Request:
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        req = Request(request_id, ids, params, generator=gen)
+        req = Request(request_id, ids, params, generator=gen, priority=priority)
         self._requests[request_id] = req
         return req
 
@@ -251,7 +254,9 @@ class LLMEngine:
         s.decode_tokens += len(out.sampled)
         s.prefill_tokens += sched.num_tokens - decode_chunks
         s.preemptions = self.scheduler.num_preemptions
-        s.busy_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        s.busy_seconds += dt
+        self.scheduler.cost.observe(sched.num_tokens, dt)  # for the priority classes' step limit
         return done
 
     # ---- scoring: each candidate's log-likelihood, the prompt's KV shared (see scoring.py) -----

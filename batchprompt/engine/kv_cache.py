@@ -59,9 +59,7 @@ class KVCacheManager:
         """
         blocks = self._blocks.get(request.request_id, [])
         new = self.blocks_needed(num_tokens) - len(blocks) - len(hits)
-        needed = max(new, 0) + self.pool.evictable_count(hits)
-        reserve = self.watermark_blocks if admitting else 0
-        if needed + reserve > self.pool.num_free:
+        if not self.can_allocate(request, num_tokens, hits, admitting):
             return False
         self.pool.touch(list(hits))
         blocks = self._blocks.setdefault(request.request_id, blocks)
@@ -69,6 +67,17 @@ class KVCacheManager:
         if new > 0:
             blocks.extend(self.pool.allocate(new))
         return True
+
+    def can_allocate(self, request: Request, num_tokens: int, hits: list[Block] = (),
+                     admitting: bool = False, reserve: int = 0) -> bool:
+        """Whether `allocate` would succeed with `reserve` more blocks kept free."""
+        have = len(self._blocks.get(request.request_id, ())) + len(hits)
+        needed = max(self.blocks_needed(num_tokens) - have, 0) + self.pool.evictable_count(hits)
+        return needed + reserve + (self.watermark_blocks if admitting else 0) <= self.pool.num_free
+
+    def blocks_to_grow(self, request: Request, num_tokens: int) -> int:
+        """New blocks `request` needs to hold its first `num_tokens` tokens."""
+        return max(self.blocks_needed(num_tokens) - len(self._blocks.get(request.request_id, ())), 0)
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's blocks that are full once its first `num_tokens` are computed.

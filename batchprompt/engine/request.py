@@ -25,6 +25,10 @@ class Request:
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None
+    # Priority class: higher is admitted first and preempted last (see scheduler.py).
+    priority: int = 0
+    # Set by the scheduler when its class starved: then ahead of every class until it finishes.
+    promoted: bool = False
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)

@@ -24,7 +24,7 @@ def start_scoring(req: Request, first: list[float]) -> list[Request]:
             continue
         child = Request(f"{req.request_id}#{i}", req.prompt_token_ids + list(cand),
                         SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs_from=start),
-                        parent=req, choice_index=i)
+                        parent=req, choice_index=i, priority=req.priority, promoted=req.promoted)
         req.pending_children.add(child.request_id)
         children.append(child)
     return children

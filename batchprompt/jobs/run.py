@@ -10,11 +10,12 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..api.batch import Batch, Prepared
 from ..api.result import Result
 from ..api.structured import OutputSpec
-from ..api.service import EngineService, get_service
+from ..backends import Backend, get_backend
 from ..engine import SamplingParams
 from ..models.tokenizer import cache_dir
 from . import openai_io
@@ -49,6 +50,9 @@ class JobOptions:
     engine_options: dict = field(default_factory=dict)  # EngineConfig fields
     # Structured output for rows whose body asks for none (OutputSpec.from_options keywords).
     structured: dict = field(default_factory=dict)
+    # Where the model runs: None for an engine in this process; a provider of a backend (an
+    # EndpointPool of remote servers, a RayCluster of engine replicas), see backends/.
+    cluster: Any = None
 
 
 @dataclass
@@ -68,9 +72,12 @@ class JobSummary:
     already_complete: bool = False
     estimate_seconds: float | None = None  # --dry-run
     notes: list[str] = field(default_factory=list)  # what was read but not as written (Table.notes)
+    rows_rerun: int = 0  # rows sent again after the replica running them was lost (Ray)
 
     def __str__(self) -> str:
-        return "\n".join([self._headline(), *self.notes])
+        rerun = ([f"{self.rows_rerun} rows were run again after a replica was lost (each is in the output once)"]
+                 if self.rows_rerun else [])
+        return "\n".join([self._headline(), *rerun, *self.notes])
 
     def _headline(self) -> str:
         if self.estimate_seconds is not None:
@@ -225,9 +232,13 @@ class JobRun:
         check_writable(opts.output)
         if errors_path:
             check_writable(errors_path)
-        from ..models import resolve_model
-        model_source = resolve_model(opts.model)  # an unknown model fails before any work
-        self.model_path = str(model_source.path)  # resolved once (a hub id is not looked up again)
+        if getattr(opts.cluster, "remote", False):  # an EndpointPool: the model is the one its servers serve
+            model_name = self.model_path = opts.cluster.model
+        else:
+            from ..models import resolve_model
+            model_source = resolve_model(opts.model)  # an unknown model fails before any work
+            self.model_path = str(model_source.path)  # resolved once (a hub id is not looked up again)
+            model_name = model_source.name
 
         if opts.dry_run:
             return self.dry_run(table)
@@ -237,7 +248,7 @@ class JobRun:
         with JobLock(journal_path):  # a second run of this job stops here, naming this one
             journal = Journal(journal_path, fp, restart=opts.restart)
             try:
-                return self._run(table, journal, model_source.name, errors_path)
+                return self._run(table, journal, model_name, errors_path)
             except StorageError as e:
                 e.journal = str(journal.path)
                 try:
@@ -275,14 +286,16 @@ class JobRun:
         interrupted_by = 0
         t0 = time.perf_counter()
         if todo:
-            service = get_service(self.model_path, device=opts.device, dtype=opts.dtype,
+            service = get_backend(self.model_path, cluster=opts.cluster, device=opts.device, dtype=opts.dtype,
                                   engine_options=opts.engine_options)
             self.say(f"model {model_name} ready in {time.perf_counter() - t0:.1f}s; {len(todo)} rows to run")
             t0 = time.perf_counter()
             stats0 = _stats_snapshot(service)
+            rerun0 = getattr(service, "rows_rerun", 0)
             interrupted_by = self._compute(service, todo, journal, model_name, len(table.rows), len(done),
                                            summary, sum(isinstance(r, RowError) for r in table.rows))
-            s = service.engine.stats
+            summary.rows_rerun = getattr(service, "rows_rerun", 0) - rerun0
+            s = service.stats()
             pt, cached = s.prompt_tokens - stats0[0], s.cached_prompt_tokens - stats0[1]
             summary.prefix_cache_hit_rate = cached / pt if pt else 0.0
         journal.flush()
@@ -305,9 +318,9 @@ class JobRun:
         return self.opts.output == "-" or (Path(self.opts.output).is_file() and
                                            (errors_path is None or Path(errors_path).is_file()))
 
-    def _prepare(self, service: EngineService, todo: list[Row], journal: Journal | None):
+    def _prepare(self, service: Backend, todo: list[Row], journal: Journal | None):
         """Flat items for the batch (n per row, identical deterministic requests once each)."""
-        tok = service.engine.tokenizer
+        tok = service.tokenizer
         items: list[Prepared] = []
         owners: list[list[tuple[Pending, int]]] = []  # per item: (row, choice index) it answers
         shared: dict[str, int] = {}
@@ -343,9 +356,9 @@ class JobRun:
         opts = self.opts
         rows = [r for r in table.rows if isinstance(r, Row)]
         summary = JobSummary(rows=len(table.rows), failed=len(table.rows) - len(rows), notes=table.notes())
-        service = get_service(self.model_path, device=opts.device, dtype=opts.dtype,
+        service = get_backend(self.model_path, cluster=opts.cluster, device=opts.device, dtype=opts.dtype,
                               engine_options=opts.engine_options)
-        tok = service.engine.tokenizer
+        tok = service.tokenizer
         for r in rows:
             try:
                 summary.prompt_tokens += len(render(r, tok, opts.system))
@@ -362,7 +375,7 @@ class JobRun:
                  f"row, so the estimate is an upper bound")
         return summary
 
-    def _compute(self, service: EngineService, todo: list[Row], journal: Journal, model_name: str,
+    def _compute(self, service: Backend, todo: list[Row], journal: Journal, model_name: str,
                  total_rows: int, done_rows: int, summary: JobSummary, errors: int = 0) -> int:
         """Run `todo`, journaling each row as it finishes; 0, or the signal that interrupted it
         (the rows finished by then are committed)."""
@@ -374,7 +387,7 @@ class JobRun:
                        smoothing=0.1)
         batch = Batch(service, items)
         created = openai_io.now()
-        tok = service.engine.tokenizer
+        tok = service.tokenizer
         token_text = lambda t: tok.decode([t])  # noqa: E731
         t0 = time.perf_counter()
         interrupted_by = 0
@@ -482,8 +495,8 @@ def _write_lines(path: str, records) -> None:
     write_atomic(path, fill)
 
 
-def _stats_snapshot(service: EngineService) -> tuple[int, int]:
-    s = service.engine.stats
+def _stats_snapshot(service: Backend) -> tuple[int, int]:
+    s = service.stats()
     return s.prompt_tokens, s.cached_prompt_tokens
 
 

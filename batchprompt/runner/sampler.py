@@ -52,13 +52,18 @@ def sample(logits: torch.Tensor, chunks: list[ScheduledChunk],
     if sampled_rows:
         rows = torch.tensor(sampled_rows, device=logits.device)
         probs = _filtered_probs(logits.index_select(0, rows), [chunks[i] for i in sampled_rows])
-        unseeded = [j for j, i in enumerate(sampled_rows) if chunks[i].generator is None]
+        # A row left with no distribution (a temperature or top_p below float32's smallest
+        # number, a repetition penalty that overflowed a logit to inf: NaNs, or nothing left)
+        # keeps its most likely token, the limit of its options, instead of failing the step
+        # for every request in it.
+        drawable = (torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()
+        unseeded = [j for j, i in enumerate(sampled_rows) if chunks[i].generator is None and drawable[j]]
         if unseeded:
             picks = torch.multinomial(probs[unseeded], 1).squeeze(1)
             tokens[rows[unseeded]] = picks
         for j, i in enumerate(sampled_rows):
             gen = chunks[i].generator
-            if gen is not None:  # own stream: same draws whatever else is in the batch
+            if gen is not None and drawable[j]:  # own stream: same draws whatever else is in the batch
                 tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
     chosen = tokens.tolist()
     logprobs: list[float | None] = [None] * len(chunks)

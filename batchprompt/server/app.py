@@ -15,6 +15,7 @@ from .config import ServerConfig
 from .errors import install_handlers
 from .metrics import Metrics
 from .middleware import LimitBody, RecordMetrics, RequireApiKey
+from .openapi import openapi_schema
 from .state import ServerState, close
 
 
@@ -32,8 +33,10 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
         finally:
             await close(state)
 
-    # No /docs or /openapi.json: the API is OpenAI's, documented there and in the README.
-    app = FastAPI(title="batchprompt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # No /docs page: the API is OpenAI's, documented there and in the README. /openapi.json
+    # describes the routes with their bodies (openapi.py), for tools (schemathesis fuzzes it).
+    app = FastAPI(title="batchprompt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    app.openapi = lambda: openapi_schema(app, api_key=config.api_key is not None)
     app.state.server = state
     app.state.metrics = metrics = Metrics(state)
     for module in (routes_health, routes_openai, routes_batch, routes_files, routes_batch_api):

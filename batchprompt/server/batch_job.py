@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..api.batch import Batch
+from ..backends import BULK
 from ..jobs import openai_io
 from ..jobs.journal import Journal
 from ..jobs.rows import Row, RowError
@@ -175,16 +176,16 @@ class BatchJob:
         if not todo:
             return
         service = api.state.service()
-        engine = service.engine
-        plan = await asyncio.to_thread(plan_rows, todo, engine.tokenizer, engine.max_model_len)
+        tokenizer = service.tokenizer
+        plan = await asyncio.to_thread(plan_rows, todo, tokenizer, service.max_model_len)
         for row, line in plan.refused:
             await api.io(self._record, journal, row.line, row.custom_id, False, line)
         if self.ending is not None or not plan.items:
             return
-        self._engine_batch = batch = Batch(service, plan.items)
+        self._engine_batch = batch = Batch(service, plan.items, priority=BULK)
         flusher = asyncio.ensure_future(self._flush_often(journal))
         try:
-            await self._collect(batch, plan, journal, lambda t: engine.tokenizer.decode([t]))
+            await self._collect(batch, plan, journal, lambda t: tokenizer.decode([t]))
         finally:
             flusher.cancel()
             await asyncio.shield(api.io(journal.flush))  # also when the server stops: what finished is kept

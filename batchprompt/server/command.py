@@ -55,6 +55,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"keep a finished async batch this long (default {DEFAULT_BATCH_RETENTION_S:.0f})")
     p.add_argument("--max-batches", type=int, default=DEFAULT_MAX_BATCHES, metavar="N",
                    help=f"keep at most this many async batches (default {DEFAULT_MAX_BATCHES})")
+    p.add_argument("--priority-slowdown", default=None, metavar="X",
+                   help="while chat and completion requests run beside Batch API rows or async batches, keep "
+                        "each engine step within X times what they alone would take (default 2; 'off': no "
+                        "limit, the batch's throughput first)")
+    p.add_argument("--no-priority", action="store_true",
+                   help="run Batch API rows and async batches first come, first served with chat and "
+                        "completion requests (by default those go first, without starving the batches)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -71,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         device = _check_device(args.device)
         engine_options = _engine_options(args, device)  # --max-model-len, --max-num-seqs, --kv-cache-memory
+        engine_options.update(_priority_options(args))
         config = ServerConfig(model=args.model, host=args.host, port=args.port,
                               api_key=args.api_key or os.environ.get("BATCHPROMPT_API_KEY") or None,
                               data_dir=args.data_dir, device=device, dtype=args.dtype, engine_options=engine_options,
@@ -79,6 +87,26 @@ def run(args: argparse.Namespace) -> int:
         return serve(config, args.log_level)
     except (ValueError, ModelNotFoundError) as e:
         return _fail(str(e))
+
+
+def _priority_options(args: argparse.Namespace) -> dict:
+    """EngineConfig fields from --no-priority and --priority-slowdown, checked now."""
+    opts: dict = {}
+    if args.no_priority:
+        opts["priority_scheduling"] = False
+    text = args.priority_slowdown
+    if text is not None:
+        if text.strip().lower() in ("off", "none"):
+            opts["priority_slowdown"] = None
+        else:
+            try:
+                value = float(text)
+            except ValueError:
+                value = float("nan")
+            if not value > 1:
+                raise ValueError(f"--priority-slowdown must be a number above 1 (e.g. 2) or 'off', got {text!r}")
+            opts["priority_slowdown"] = value
+    return opts
 
 
 def serve(config, log_level: str = "info") -> int:

@@ -24,7 +24,8 @@ def failure(results: Sequence[Result]) -> ApiError | None:
 
 def result_error(r: Result) -> ApiError:
     message = r.error or "the request failed"
-    if message.startswith("the engine"):  # the engine failed or stopped, not the request
+    # The engine failed or stopped, or a model step raised: the server's failure, not the request's.
+    if message.startswith(("the engine", "the model failed on this step")):
         return ApiError(500, message, "engine_error")
     return ApiError(400, message, "context_length_exceeded" if "shorten the prompt" in message
                     else "invalid_request")

@@ -9,7 +9,8 @@
 A prompt is a string or a list of chat messages; options are the batch API's (`max_tokens`,
 `temperature`, `top_p`, `top_k`, `seed`, `stop`, `logprobs`, `choices`, `choice_mode`, `regex`,
 `json_schema`, `response_format`, `grammar`). A prompt that fails carries its error in its
-result; the others are unaffected."""
+result; the others are unaffected. An async batch runs at bulk priority, behind chat and
+completion requests (never starved); a sync batch, whose client waits, runs beside them."""
 from __future__ import annotations
 
 import asyncio
@@ -20,6 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ..api.session import LanguageModel
+from ..backends import BULK, INTERACTIVE
 from . import waiting
 from .batches import AsyncBatch, check_callback_url
 from .errors import ApiError
@@ -35,8 +37,9 @@ def server_state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-async def _prepare(request: Request, state: ServerState, body: dict):
-    """A session with the body's system prompt, and its (unstarted) batch of the prompts."""
+async def _prepare(request: Request, state: ServerState, body: dict, priority: int = INTERACTIVE):
+    """A session with the body's system prompt, and its (unstarted) batch of the prompts at
+    `priority` (a client waits on a sync batch; an async one runs behind interactive requests)."""
     state.check_model(body.get("model"))
     state.service()  # 503 while loading or shutting down
     options = {k: v for k, v in body.items() if k not in _NOT_OPTIONS}
@@ -47,7 +50,7 @@ async def _prepare(request: Request, state: ServerState, body: dict):
         session = LanguageModel.create(system=body.get("system"), model=state.model_key, device=c.device,
                                        dtype=c.dtype)
         try:
-            return session, session.create_batch(body["prompts"], **options)
+            return session, session.create_batch(body["prompts"], priority=priority, **options)
         except BaseException:
             session.destroy()
             raise
@@ -81,7 +84,7 @@ async def batch_async(request: Request) -> JSONResponse:
     url = body.get("callback_url")
     if url is not None:
         check_callback_url(url)
-    session, batch = await _prepare(request, state, body)
+    session, batch = await _prepare(request, state, body, priority=BULK)
     job = AsyncBatch(batch, session, state.model_id, url)
     if url is not None:
         job.webhook = {"url": url, "status": "pending", "attempts": 0, "last_error": None}

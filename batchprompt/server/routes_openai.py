@@ -55,9 +55,8 @@ async def _complete(request: Request, schema, plan_fn, chat: bool):
     body = await read_json(request, schema)
     state.check_model(body.get("model"))
     service = state.service()
-    engine = service.engine
     # Rendering and tokenizing take the tokenizer's lock and some CPU: off the event loop.
-    plan = await asyncio.to_thread(plan_fn, body, engine.tokenizer, engine.max_model_len)
+    plan = await asyncio.to_thread(plan_fn, body, service.tokenizer, service.max_model_len)
     batch = Batch(service, plan.prepared)
     created = int(time.time())
     if body.get("stream"):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 import time
@@ -97,7 +96,7 @@ class ServerState:
         if service is None:
             return None
         try:
-            return service.call(lambda: dataclasses.replace(service.engine.stats)).result(timeout=30)
+            return service.stats(timeout=30)
         except (EngineStoppedError, concurrent.futures.TimeoutError):  # stopped, or stuck in a step
             return None
 

@@ -50,9 +50,9 @@ class EngineSpy:
             service.call(self.cancel_ran.set)  # commands run in order: right after the cancel
             return fut
 
-        def add_request(prompt, params=None, request_id=None):
+        def add_request(prompt, params=None, request_id=None, **kwargs):
             self.added.append((request_id, self.cancel_ran.is_set()))
-            return real_add(prompt, params, request_id)
+            return real_add(prompt, params, request_id, **kwargs)
 
         def step():
             if next(self._steps) == self.hold_at_step:

@@ -18,14 +18,14 @@ pytestmark = pytest.mark.slow
 def test_a_prompt_the_engine_refuses_to_queue_fails_alone(lm, engine32, monkeypatch, messages):
     real, calls = engine32.add_request, itertools.count()
 
-    def add_request(prompt, params=None, request_id=None):
+    def add_request(prompt, params=None, request_id=None, **kwargs):
         n = next(calls)
         if n == 1:  # as when llguidance cannot build the tokenizer a grammar needs
             raise RuntimeError("cannot build the grammar's tokenizer")
         if n == 3:  # fails after the engine took it: the engine must not keep it
-            real(prompt, params, request_id)
+            real(prompt, params, request_id, **kwargs)
             raise RuntimeError("failed half-way")
-        return real(prompt, params, request_id)
+        return real(prompt, params, request_id, **kwargs)
 
     monkeypatch.setattr(engine32, "add_request", add_request)
     results = lm.create_batch(messages[:5]).wait(timeout=60)

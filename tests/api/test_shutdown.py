@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import batchprompt as bp
-import batchprompt.api.session as session_module
+import batchprompt.api.service as service_module
 from batchprompt.api.service import get_service
 
 from ..conftest import SPAM_SYSTEM
@@ -30,8 +30,8 @@ def test_device_dtype_and_engine_options_reach_the_engine_from_every_entry_point
         calls.append((model, kwargs))
         return real(engine32)
 
-    real = session_module.get_service
-    monkeypatch.setattr(session_module, "get_service", spy)
+    real = service_module.get_service
+    monkeypatch.setattr(service_module, "get_service", spy)  # what the backend seam calls for a local model
     given = {"device": "cpu", "dtype": "float32", "engine_options": {"max_num_seqs": 8}}
     assert bp.batch_prompt(messages[:1], model="smollm2-135m", max_tokens=2, **given)[0].ok
     assert asyncio.run(bp.abatch_prompt(messages[:1], model="smollm2-135m", max_tokens=2, **given))[0].ok

@@ -170,6 +170,36 @@ def test_small_calls_and_higher_priority_go_first():
     assert sorted(order[2:]) == [100, 101, 102, 103, 104, 105]
 
 
+def test_thread_callers_of_a_batch_are_woken_newest_first():
+    """Whoever reads results in submission order (ThreadPoolExecutor.map, a loop over futures)
+    waits on the oldest caller of a batch: it is woken last in its chain, so that the reader
+    wakes about once per batch, not every other caller."""
+    n = 32
+    rec = Recorder(hold_first=True)
+    f = bp.dynamically(batch_size=n, timeout_ms=60_000)(rec)
+    returned = []
+
+    def call(i):
+        assert f(i) == 10 * i
+        returned.append(i)
+
+    threads = []
+    for i in range(n):  # one at a time, so that the queue order is 0, 1, ..., n - 1
+        threads.append(threading.Thread(target=call, args=(i,)))
+        threads[-1].start()
+        if i < n - 1:
+            queued(f, i + 1)
+    rec.started.wait(LIMIT_S)
+    rec.release.set()
+    for t in threads:
+        t.join(LIMIT_S)
+    assert sorted(returned) == list(range(n))
+    # In two chains of n/2, newest first: caller 0 comes after the n/2 - 1 others of its chain
+    # (a margin for a thread preempted between its wake-up and its return). Oldest first, it
+    # was the head of a chain, among the first two.
+    assert returned.index(0) >= n // 4, returned
+
+
 def test_an_interrupted_thread_caller_does_not_stall_the_others_in_its_batch():
     """Ctrl-C while the main thread waits (here a signal handler that raises): that call raises,
     and the callers that its thread would have woken in its chain still get their results."""
@@ -185,12 +215,12 @@ def test_an_interrupted_thread_caller_does_not_stall_the_others_in_its_batch():
     results = {}
     others = [threading.Thread(target=lambda i=i: results.__setitem__(i, f(i))) for i in range(1, 9)]
     main = threading.main_thread()
+    for t in others:
+        t.start()
+    queued(f, 8)  # f(0), called next, is the newest in the batch, so the head of a chain
 
     def then_interrupt():
         try:
-            queued(f, 1)  # f(0) is first in the batch, so the head of a chain
-            for t in others:
-                t.start()
             rec.started.wait(LIMIT_S)  # the batch of all nine runs, held
             wait_until(lambda: in_function(main, "wait"), "f(0) waits for its result")
         finally:  # whatever happened, so that f(0) cannot wait forever

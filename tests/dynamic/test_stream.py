@@ -54,6 +54,23 @@ def test_imap_stops_taking_items_while_max_in_flight_wait_for_results():
     assert out == [10 * i for i in range(1000)]
 
 
+def test_imap_with_several_of_its_chunks_in_one_batch():
+    """max_in_flight=16 against batch_size=16: chunks of 4, so one batch holds four chunks of one
+    imap, which waits on them oldest first. Callers of a batch are woken newest first, in chains
+    where each wakes the next: an imap's chunks must not be in such a chain (its oldest chunk
+    would wait for a wake-up from a newer one, which the same thread waits on only later)."""
+    rec = Recorder(hold_first=True)
+    f = bp.dynamically(batch_size=16, timeout_ms=60_000)(rec)  # batches close only when full
+    out = []
+    t = threading.Thread(target=lambda: out.extend(f.imap(range(64), max_in_flight=16)), daemon=True)
+    t.start()
+    assert rec.started.wait(LIMIT_S)
+    assert rec.batches[0] == list(range(16))  # four chunks of 4
+    rec.release.set()
+    t.join(LIMIT_S)
+    assert out == [10 * i for i in range(64)]
+
+
 def test_imap_results_stay_in_order_when_a_later_batch_finishes_first():
     later_done = threading.Event()
 

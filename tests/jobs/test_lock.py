@@ -23,7 +23,7 @@ def no_model(monkeypatch):
     """A run that gets as far as loading the model fails the test."""
     def refuse(*a, **k):
         raise AssertionError("the model was loaded")
-    monkeypatch.setattr("batchprompt.jobs.run.get_service", refuse)
+    monkeypatch.setattr("batchprompt.jobs.run.get_backend", refuse)
 
 
 def test_a_second_lock_names_the_holder_and_the_file_goes_with_the_last(tmp_path):

@@ -31,7 +31,7 @@ def no_model(monkeypatch):
     """A run that gets as far as loading the model fails the test."""
     def refuse(*a, **k):
         raise AssertionError("the model was loaded")
-    monkeypatch.setattr("batchprompt.jobs.run.get_service", refuse)
+    monkeypatch.setattr("batchprompt.jobs.run.get_backend", refuse)
 
 
 def _errors(out: Path) -> list[dict]:

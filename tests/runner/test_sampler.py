@@ -92,3 +92,21 @@ def test_top_logprobs_are_the_k_most_likely_of_the_raw_distribution():
     assert [v for _, v in lps[0].top] == pytest.approx([3 - lse, 2 - lse], abs=1e-6)
     plain = sample(logits.clone(), [chunk(SamplingParams(logprobs=True, **GREEDY))])[1][0]
     assert not hasattr(plain, "top")
+
+
+@pytest.mark.parametrize("options", [dict(temperature=1e-300), dict(temperature=1.0, top_p=1e-300),
+                                     dict(temperature=1.0, repetition_penalty=1e-300)],
+                         ids=["temperature", "top_p", "repetition_penalty"])
+@pytest.mark.parametrize("seed", [None, 7], ids=["unseeded", "seeded"])
+def test_options_below_float32_keep_the_most_likely_token_and_spare_the_other_rows(options, seed):
+    # Valid options whose float32 value is 0 (or overflows a logit to inf) left a row of NaN
+    # probabilities; torch.multinomial then raised, and the engine failed every request of the step.
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0], [5.0, 0.0, 0.0, 0.0]])
+    odd = chunk(SamplingParams(seed=seed, max_tokens=32, **options), prompt=[2, 3])
+    if seed is not None:
+        odd.generator = torch.Generator().manual_seed(seed)
+    other = chunk(SamplingParams(temperature=0.5, max_tokens=32))
+    tokens, _ = sample(logits.clone(), [odd, other])
+    assert tokens[0] == 2  # the limit of those options: the most likely token
+    assert tokens[1] in range(4)
+    assert sample(logits.clone(), [chunk(SamplingParams(**GREEDY)), odd])[0] == [2, 0]

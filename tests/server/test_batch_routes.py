@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -121,7 +122,14 @@ def test_async_batch_reports_progress_and_posts_its_results_to_the_webhook(serve
         progress = body["progress"]
         assert progress["done"] == progress["total"] == 3 and progress["failed"] == 0 and progress["eta_s"] == 0
         assert first["results"] == body["results"]
-        got = c.get(f"/v1/batch/{batch_id}").json()
+        # The receiver hands the POST over before the server has read its 200: wait (bounded)
+        # until the server has recorded the delivery.
+        deadline = time.monotonic() + 30
+        while True:
+            got = c.get(f"/v1/batch/{batch_id}").json()
+            if got["webhook"]["status"] != "pending" or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
     assert got["results"] == body["results"] and got["status"] == "completed"
     assert got["webhook"] == {"url": receiver.url, "status": "delivered", "attempts": 2, "last_error": None}
 

@@ -1,0 +1,110 @@
+"""The backend seam: what the batch API, the job runner and the server hand their work to.
+
+Everything above this seam (sessions, streaming batches, cancel, progress, journals,
+structured outputs, HTTP routes) knows only `Backend`; what runs the prompts is behind it:
+
+    local   EngineService (api/service.py): one engine in this process
+    remote  a pool of OpenAI-compatible endpoints (batchprompt.remote)
+    ray     engine replicas as Ray actors (batchprompt.ray)
+
+Work crosses the seam as `Source`s, queues of `Item`s: token ids rendered above the seam (one
+place renders chat templates), `SamplingParams` (structured output as a plain-data `Grammar`),
+and a done-callback that receives one `RequestOutput`. The contract every backend keeps:
+
+- every submitted item is answered exactly once through `on_done`, whatever fails (an error
+  output names the reason; `finish_reason` "abort" after a cancel or a shutdown);
+- `on_done` may run on any thread of the backend and must be quick; user callbacks go through
+  `dispatch`, which runs them on one callback thread, in order;
+- `cancel` drops the source's items not yet started (each goes to `on_pending`) and aborts
+  those running (their outputs still come back through `on_done`);
+- a higher `Source.priority` is served first (interactive requests before bulk rows), without
+  starving the others.
+"""
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from ..engine import EngineStats, RequestOutput, SamplingParams
+
+#: Priority classes (higher first). Interactive HTTP requests and in-process calls run at
+#: INTERACTIVE; Batch API rows and background batches at BULK.
+INTERACTIVE = 0
+BULK = -1
+
+
+@dataclass(eq=False)
+class Item:
+    """One prompt on its way to a backend. `on_done` runs on a backend thread."""
+
+    token_ids: list[int]
+    params: SamplingParams
+    on_done: Callable[[RequestOutput], None]
+    request_id: str | None = None
+
+
+@dataclass(eq=False)
+class Source:
+    """A caller's pending items, handed to the backend in this order. Items of a source with a
+    higher `priority` are admitted first."""
+
+    items: deque[Item] = field(default_factory=deque)
+    in_engine: dict[str, Item] = field(default_factory=dict)
+    cancelled: bool = False
+    priority: int = INTERACTIVE
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What runs prompts. `api.service.EngineService` is the local one."""
+
+    name: str
+
+    @property
+    def tokenizer(self) -> Any:
+        """Renders prompts above the seam (`encode_prompt(messages)`, `encode`, `decode`)."""
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + output a request may have."""
+
+    @property
+    def stopped(self) -> bool: ...
+
+    stop_reason: str | None
+
+    def submit(self, source: Source) -> None:
+        """Queue `source`'s items; on a stopped backend each is answered at once."""
+
+    def cancel(self, source: Source, on_pending: Callable[[Item], None]) -> Future:
+        """See the module's contract; the future completes once the cancel has taken effect."""
+
+    def dispatch(self, fn: Callable, *args) -> None:
+        """Run a user callback on the backend's callback thread, in order."""
+
+    def pin_prefix(self, name: str, token_ids: list[int]) -> Future:
+        """Compute `token_ids` once and keep them cached under `name` (a session's shared
+        prefix); the future gives how many tokens stay cached (0 where the backend keeps
+        prefixes its own way, as a remote server's prefix cache does)."""
+
+    def copy_pin(self, source: str, name: str) -> Future:
+        """Pin `source`'s prefix again under `name` (a cloned session); future of its tokens."""
+
+    def add_session(self, name: str) -> None: ...
+
+    def close_session(self, name: str) -> None:
+        """Forget a session and release its pinned prefix."""
+
+    @property
+    def open_sessions(self) -> int: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+    def stats(self, timeout: float | None = None) -> EngineStats:
+        """A snapshot of the counters (summed over replicas or endpoints where there are many)."""
+
+    def shutdown(self) -> None:
+        """Stop; every item still waiting is answered ('abort')."""

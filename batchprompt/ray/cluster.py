@@ -1,0 +1,193 @@
+"""RayCluster: where and how many engine replicas run, as a provider of a backend.
+
+    lm = bp.LanguageModel.create(system=..., cluster=bp.RayCluster(replicas=4, replica_gpus=1,
+                                                                   address="auto"))
+    results = lm.batch_prompt(prompts)
+
+`get_backend(model, cluster=RayCluster(...))` calls `as_backend`, which connects to Ray (or
+starts a local Ray when there is none and no address is given), starts the replicas (one Ray
+actor each, holding one engine) and returns a `RayBackend`. Backends are kept per model and
+options while they run, so sessions and jobs on one cluster object share the replicas.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+RAY_MISSING = "Ray is not installed: pip install 'batchprompt[ray]'"
+
+
+class ClusterError(RuntimeError):
+    """The replicas cannot run: Ray cannot be reached, or no replica could start."""
+
+
+def ray_available() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("ray") is not None
+    except (ImportError, ValueError):  # a broken or blocked install counts as none
+        return False
+
+
+@dataclasses.dataclass
+class RayCluster:
+    """Engine replicas as Ray actors.
+
+    replicas        how many engines (one Ray actor each, one model load each)
+    address         the Ray cluster: None (the one this process is connected to, else Ray's
+                    default: RAY_ADDRESS, a cluster started on this machine, or a new local
+                    one), "auto" (the one started on this machine with `ray start`),
+                    "host:port" (a head's GCS address) or "ray://host:port" (Ray Client)
+    replica_cpus    CPUs Ray reserves for each replica (default 1)
+    replica_gpus    GPUs for each replica (1: one replica per GPU; Ray sets CUDA_VISIBLE_DEVICES)
+    threads         torch threads per replica (default: replica_cpus, at least 1)
+    replica_resources  custom Ray resources per replica, e.g. {"bp_slot": 1}, to pin replicas to
+                    the nodes that offer them
+    max_restarts    times Ray restarts a replica that died (its rows are re-run on the others)
+    blocks_in_flight, block_rows  blocks sent ahead to each replica and their largest size:
+                    a lost replica costs at most their product in rows re-run
+    start_timeout_s how long to wait for the first replica to load
+    recover_timeout_s  how long work may wait with no replica ready before it fails
+    runtime_env     Ray's runtime_env for the replicas (e.g. {"pip": ["batchprompt"]})
+    init_options    more keywords for ray.init when batchprompt connects to or starts Ray
+    """
+
+    replicas: int = 1
+    address: str | None = None
+    replica_cpus: float = 1.0
+    replica_gpus: float = 0.0
+    threads: int | None = None
+    replica_resources: dict[str, float] | None = None
+    max_restarts: int = 3
+    blocks_in_flight: int = 4
+    block_rows: int = 64
+    start_timeout_s: float = 600.0
+    recover_timeout_s: float = 600.0
+    runtime_env: dict | None = None
+    init_options: dict | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(f"replicas must be an integer >= 1, got {self.replicas!r}")
+        if self.replica_cpus < 0 or self.replica_gpus < 0:
+            raise ValueError(f"replica_cpus and replica_gpus must be >= 0, got {self.replica_cpus}, "
+                             f"{self.replica_gpus}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ValueError(f"threads must be an integer >= 1, got {self.threads!r}")
+        if self.max_restarts < -1:
+            raise ValueError(f"max_restarts must be >= 0 (or -1: without limit), got {self.max_restarts}")
+        if self.blocks_in_flight < 1 or self.block_rows < 1:
+            raise ValueError("blocks_in_flight and block_rows must be >= 1")
+        # _start_lock: one backend starts at a time per model; _lock guards the dict only, so a
+        # backend that stops while starting (its dispatch thread calls forget) never waits on
+        # the starter, which waits for that thread.
+        self._start_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._backends: dict[tuple, Any] = {}
+        self._started_ray = False
+
+    def as_backend(self, model: Any = None, *, device: str = "auto", dtype: str = "auto",
+                   engine_options: dict | None = None):
+        """The running backend for `model` on this cluster, started on first use."""
+        if not ray_available():
+            raise ImportError(RAY_MISSING)
+        from ..engine import LLMEngine
+
+        if isinstance(model, LLMEngine) or hasattr(model, "as_backend"):
+            raise TypeError("a RayCluster runs a model by name or path (each replica loads its own copy); "
+                            f"got {type(model).__name__}")
+        model = None if model is None else str(model)
+        key = (model, device, str(dtype), repr(sorted((engine_options or {}).items())))
+        with self._start_lock:
+            with self._lock:
+                backend = self._backends.get(key)
+            if backend is None or backend.stopped:
+                backend = self._start(model, device, dtype, engine_options or {}, key)
+                with self._lock:
+                    self._backends[key] = backend
+            return backend
+
+    @property
+    def backends(self) -> list:
+        """The running backends of this cluster object (one per model and options): their
+        `replicas`, `rows_rerun` and `stats()`."""
+        with self._lock:
+            return [b for b in self._backends.values() if not b.stopped]
+
+    def shutdown(self) -> None:
+        """Stop every backend of this cluster object (their replicas end)."""
+        with self._lock:
+            backends = list(self._backends.values())
+        for b in backends:
+            b.shutdown()
+
+    # ---- starting ---------------------------------------------------------------------------
+    def _connect(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        options = dict(self.init_options or {})
+        options.setdefault("logging_level", "WARNING")
+        if self.address is None:
+            options.setdefault("include_dashboard", False)
+        try:
+            ray.init(address=self.address, **options)
+        except Exception as e:  # noqa: BLE001  (a wrong address, no cluster there, a version mismatch)
+            where = f"the Ray cluster at {self.address}" if self.address else "a local Ray"
+            raise ClusterError(f"cannot connect to {where}: {type(e).__name__}: {str(e).strip()[:300]} (give "
+                               f"--address auto for the cluster `ray start` runs on this machine, or the head's "
+                               f"host:port)") from e
+        self._started_ray = True
+
+    def _start(self, model: str | None, device: str, dtype: str, engine_options: dict, key: tuple):
+        import ray
+
+        from .backend import RayBackend
+        from .replica import Replica
+
+        self._connect()
+        threads = self.threads or max(1, int(self.replica_cpus))
+        options: dict[str, Any] = dict(num_cpus=self.replica_cpus, num_gpus=self.replica_gpus,
+                                       max_restarts=self.max_restarts, max_task_retries=0,
+                                       max_concurrency=1000, scheduling_strategy="SPREAD")
+        if self.replica_resources:
+            options["resources"] = dict(self.replica_resources)
+        if self.runtime_env:
+            options["runtime_env"] = self.runtime_env
+        actor = ray.remote(Replica).options(**options)
+        handles = [actor.remote(model, device, dtype, engine_options, threads) for _ in range(self.replicas)]
+
+        def forget() -> None:
+            with self._lock:
+                if backend_ref[0] is not None and self._backends.get(key) is backend_ref[0]:
+                    del self._backends[key]
+
+        backend_ref: list = [None]
+        backend = RayBackend(handles, lambda info: driver_tokenizer(model, info),
+                             blocks_in_flight=self.blocks_in_flight, block_rows=self.block_rows,
+                             start_timeout_s=self.start_timeout_s, recover_timeout_s=self.recover_timeout_s,
+                             on_shutdown=forget)
+        backend_ref[0] = backend
+        return backend
+
+
+def driver_tokenizer(model: str | None, info):
+    """The model's tokenizer on the driver, without its weights: prompts are rendered here (one
+    place renders chat templates) and only token ids travel to the replicas."""
+    from pathlib import Path
+
+    from ..models import resolve_model
+    from ..models.loader import EMBEDDED_NAMES, ModelSource
+    from ..models.tokenizer import Tokenizer
+
+    if model is None or model.lower() in EMBEDDED_NAMES or Path(model).expanduser().exists():
+        source = resolve_model(model)
+    else:  # a hub id: the tokenizer's files only (each replica downloads the weights itself)
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(model, allow_patterns=["*.json", "*.jinja", "tokenizer*"])
+        source = ModelSource("hf_dir", Path(path), model)
+    return Tokenizer.load(source, info.eos_token_ids)

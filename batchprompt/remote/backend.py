@@ -1,0 +1,626 @@
+"""RemoteBackend: the backend seam (backends/base.py) over a pool of OpenAI-compatible servers.
+
+Callers hand it sources of items (token ids, sampling parameters, a done-callback), exactly as
+they hand them to the local engine; an event loop on a thread of its own sends them:
+
+- cut into sub-batches (work.py) sized to the endpoint's share of the remaining work, measured
+  by its speed, and to `batch_tokens` / `batch_prompts`, never one giant request per endpoint;
+  one /v1/completions request per sub-batch, a list of token-id prompts; several in flight per
+  endpoint, as many as its adaptive limit allows (endpoint.py);
+- routed by least outstanding tokens with prefix affinity (routing.py);
+- hedged at the end: once nothing is queued, an idle endpoint re-sends a sub-batch that is late
+  elsewhere; the first answer wins and the other request is cancelled (closing its connection
+  makes the server abort it), so a slow endpoint does not hold the end of a batch;
+- on a fault: a timeout, a 429/503 (the endpoint's limit halves and it waits, Retry-After or
+  backoff with jitter), a dead endpoint (drained: its work goes to the others; probed until it
+  answers again, then taken back), a 4xx/5xx (the sub-batch is split in halves and retried, so
+  one bad prompt fails alone). A work is retried at most `max_retries` times, then answered
+  with the last error; work waiting while no endpoint is alive fails after `give_up_after`.
+
+Every item is answered exactly once (result, error, or 'abort' after a cancel or a shutdown);
+a sub-batch runs to completion twice only when its first try failed (a hedged copy that
+loses is cancelled). User callbacks run on one callback
+thread, in order (api/callbacks.py)."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..api.callbacks import CallbackThread
+from ..api.result import EngineStoppedError
+from ..backends.base import Item, Source
+from ..engine import EngineStats, RequestOutput
+from . import wire
+from .endpoint import Endpoint, backoff
+from .errors import EndpointError
+from .routing import Router
+from .work import SubBatch, Work, WorkQueue
+
+if TYPE_CHECKING:
+    from .pool import EndpointPool
+
+log = logging.getLogger("batchprompt")
+
+SHUT_DOWN = "the endpoint pool was shut down (LanguageModel.close(), pool.close() or bp.shutdown())"
+#: A sub-batch holds about this share of the remaining work of its endpoint: with two requests
+#: in flight an endpoint starts with its whole share (servers batch best with much at once),
+#: later ones are smaller, and hedging (below) keeps a slow endpoint from holding the end.
+ROUNDS = 2
+#: Tail hedging: once nothing is queued, an idle endpoint re-sends a sub-batch that has been in
+#: flight elsewhere for HEDGE_AFTER times the usual request time; the first answer wins and the
+#: other request is cancelled (its connection closed: the server aborts it), so a slow endpoint
+#: never holds the end of a batch.
+HEDGE_AFTER = 1.5
+PROBE_MIN_S, PROBE_MAX_S = 0.5, 10.0
+
+
+class RemoteBackend:
+    """The remote backend (see backends/base.py): a pool of OpenAI-compatible endpoints."""
+
+    def __init__(self, pool: "EndpointPool", endpoints: list[Endpoint], model: str, tokenizer, max_model_len: int | None):
+        self.pool = pool
+        self.name = f"remote-{model}"
+        self.model = model
+        self._tokenizer = tokenizer
+        self._max_model_len = max_model_len
+        self.endpoints = endpoints
+        self.router = Router(endpoints, slack_tokens=pool.batch_tokens)
+        self.queue = WorkQueue()
+        self.stop_reason: str | None = None
+        self._stopping = False
+        self._flying: set[SubBatch] = set()
+        self._in_flight_items = 0
+        self._ids = itertools.count()
+        self._sessions: set[str] = set()
+        self._stats = EngineStats()
+        self._no_endpoint_since: float | None = None
+        self._request_s: float | None = None  # a successful request's usual time (smoothed)
+        self.hedges = 0  # sub-batches sent again to an idle endpoint because they were late
+        self._probes: dict[int, asyncio.Task] = {}
+        self._delayed: dict[int, list[Work]] = {}  # works waiting out a backoff before their retry
+        self._callbacks = CallbackThread(f"batchprompt-callbacks-{self.name}")
+        self._lock = threading.Lock()
+        self.loop = asyncio.new_event_loop()
+        self._wake: asyncio.Event | None = None
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run_loop, args=(ready,), name=f"batchprompt-{self.name}", daemon=True)
+        self._thread.start()
+        ready.wait()
+
+    # ---- the protocol's properties ------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len or 1 << 30  # unknown: each server's own limit applies (its 400)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopping
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight_items
+
+    @property
+    def open_sessions(self) -> int:
+        return len(self._sessions)
+
+    def add_session(self, name: str) -> None:
+        with self._lock:
+            self._sessions.add(name)
+
+    def close_session(self, name: str) -> None:
+        with self._lock:
+            self._sessions.discard(name)
+
+    def pin_prefix(self, name: str, token_ids: list[int]) -> Future:
+        """Servers keep prefixes their own way (their prefix caches); routing keeps a session's
+        prompts on the endpoint that holds its prefix. Nothing is pinned: 0 tokens."""
+        return _done(0)
+
+    def copy_pin(self, source: str, name: str) -> Future:
+        return _done(0)
+
+    def dispatch(self, fn: Callable, *args) -> None:
+        self._callbacks.dispatch(fn, *args)
+
+    # ---- callers' side (any thread) -----------------------------------------------------------
+    def submit(self, source: Source) -> None:
+        items = []
+        while source.items:
+            items.append(source.items.popleft())
+        if not self._call_soon(self._add, source, items):
+            for item in items:
+                self._answer_item(item, self._stopped_output(item))
+
+    def cancel(self, source: Source, on_pending: Callable[[Item], None]) -> Future:
+        fut: Future = Future()
+
+        def run() -> None:
+            source.cancelled = True
+            while source.items:  # not submitted yet
+                on_pending(source.items.popleft())
+            for w in self.queue.drop(source):
+                w.answered = True
+                source.in_engine.pop(w.item.request_id or "", None)
+                on_pending(w.item)
+            for works in self._delayed.values():
+                for w in works:
+                    if w.source is source and not w.answered:
+                        w.answered = True
+                        on_pending(w.item)
+            for sb in list(self._flying):
+                if sb.source is source and sb.task is not None:
+                    sb.task.cancel()  # its works are answered 'abort' as the task ends
+            fut.set_result(None)
+
+        if not self._call_soon(run):
+            fut.set_exception(EngineStoppedError(self.stop_reason))
+        return fut
+
+    def stats(self, timeout: float | None = None) -> EngineStats:
+        fut: Future = Future()
+
+        def snap() -> None:
+            s = dataclasses.replace(self._stats)
+            s.running, s.waiting = self._in_flight_items, self.queue.queued
+            s.busy_seconds = time.monotonic() - s.started
+            fut.set_result(s)
+
+        if not self._call_soon(snap):
+            raise EngineStoppedError(self.stop_reason)
+        return fut.result(timeout)
+
+    def endpoint_stats(self, timeout: float | None = 30) -> list[dict]:
+        """Each endpoint's state and counters (requests, prompts, tokens, errors, deaths)."""
+        fut: Future = Future()
+        if not self._call_soon(lambda: fut.set_result([e.describe() for e in self.endpoints])):
+            return [e.describe() for e in self.endpoints]
+        return fut.result(timeout)
+
+    def run_coroutine(self, coro) -> Future:
+        """Run `coro` on the pool's loop (the swarm methods' direct requests)."""
+        if self._stopping:
+            coro.close()
+            raise EngineStoppedError(self.stop_reason)
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def shutdown(self) -> None:
+        """Stop: every item still waiting or in flight is answered ('abort'); the loop ends."""
+        with self._lock:
+            if self._stopping:
+                first = False
+            else:
+                self._stopping, self.stop_reason, first = True, SHUT_DOWN, True
+        if first:
+            try:
+                asyncio.run_coroutine_threadsafe(self._close(), self.loop)
+            except RuntimeError:  # the loop is already closed
+                pass
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=60)
+            if threading.current_thread() is not self._callbacks.thread:
+                self._callbacks.thread.join(timeout=60)
+        self.pool._backend_stopped(self)
+
+    def call_on_loop(self, fn: Callable, *args) -> bool:
+        """Run `fn(*args)` on the pool's loop (False once stopped)."""
+        return self._call_soon(fn, *args)
+
+    def _call_soon(self, fn: Callable, *args) -> bool:
+        with self._lock:
+            if self._stopping:
+                return False
+            try:
+                self.loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:
+                return False
+        return True
+
+    # ---- the loop thread --------------------------------------------------------------------------
+    def _run_loop(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        self._wake = asyncio.Event()
+        pump = self.loop.create_task(self._pump())
+        ready.set()
+        try:
+            self.loop.run_until_complete(pump)
+        except BaseException:  # noqa: BLE001
+            log.exception("the endpoint pool's loop failed")
+        finally:
+            with self._lock:
+                if not self._stopping:
+                    self._stopping = True
+                    self.stop_reason = "the endpoint pool's loop failed (see the log); create the pool again"
+            try:  # callbacks scheduled before the stop (a submit) run first, then everything is answered
+                self.loop.run_until_complete(asyncio.sleep(0))
+            except BaseException:  # noqa: BLE001
+                pass
+            self._answer_all(self.stop_reason)
+            try:
+                self.loop.run_until_complete(self._close_clients())
+            except BaseException:  # noqa: BLE001
+                pass
+            self.loop.close()
+            self._callbacks.close()
+
+    async def _close(self) -> None:
+        self._kick()
+
+    async def _close_clients(self) -> None:
+        probes = list(self._probes.values())
+        for task in probes:
+            task.cancel()
+        await asyncio.gather(*probes, return_exceptions=True)
+        for e in self.endpoints:
+            await e.close()
+
+    def _kick(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def _add(self, source: Source, items: list[Item]) -> None:
+        works = []
+        for item in items:
+            if source.cancelled:
+                self._answer_item(item, RequestOutput("", item.token_ids, [], "", "abort"))
+                continue
+            item.request_id = rid = f"{self.name}-{next(self._ids)}"
+            problem = wire.unsupported(item.params) or self._too_long(item)
+            if problem:
+                self._answer_item(item, RequestOutput(rid, item.token_ids, [], "", "error", error=problem))
+                continue
+            params = self._clamped(item)
+            works.append(Work(item, source, params, len(item.token_ids) + params.max_tokens * params.num_samples))
+        self.queue.add(works)
+        self._kick()
+
+    def _too_long(self, item: Item) -> str | None:
+        ctx = self._max_model_len
+        if ctx and len(item.token_ids) >= ctx:
+            return (f"the prompt has {len(item.token_ids)} tokens, but the context holds {ctx} "
+                    f"(prompt plus at least one generated token): shorten the prompt")
+        return None
+
+    def _clamped(self, item: Item):
+        """max_tokens cut to what the context leaves (as the local engine stops at its end;
+        vLLM refuses a request whose prompt + max_tokens exceed the context)."""
+        p, ctx = item.params, self._max_model_len
+        if ctx and len(item.token_ids) + p.max_tokens > ctx:
+            room = ctx - len(item.token_ids)
+            return dataclasses.replace(p, max_tokens=room, min_tokens=min(p.min_tokens, room))
+        return p
+
+    async def _pump(self) -> None:
+        """Send sub-batches while there is work and an endpoint with room; sleep otherwise."""
+        assert self._wake is not None
+        while not self._stopping:
+            self._dispatch()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self._next_wake())
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+        # stopping: cancel what flies; each task answers its works 'abort'
+        tasks = [sb.task for sb in self._flying if sb.task is not None]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _next_wake(self) -> float | None:
+        """How long the pump may sleep: until a backoff ends, or a second while work waits for
+        an endpoint (to notice `give_up_after`), or until a sub-batch in flight is late enough to
+        hedge; None: until kicked."""
+        now = time.monotonic()
+        if not self.queue:
+            unhedged = [sb.started for sb in self._flying if sb.twin is None and not sb.superseded]
+            if not unhedged or self._request_s is None:
+                return None
+            return max(0.2, min(unhedged) + HEDGE_AFTER * self._request_s - now)
+        ends = [e.backoff_until - now for e in self.endpoints if e.alive and e.backoff_until > now]
+        return max(0.01, min(ends + [1.0]))
+
+    def _dispatch(self) -> None:
+        now = time.monotonic()
+        if self.queue and not any(e.alive for e in self.endpoints):
+            self._no_endpoint_since = self._no_endpoint_since or now
+            if now - self._no_endpoint_since > self.pool.give_up_after:
+                reasons = "; ".join(f"{e.url}: {e.dead_reason}" for e in self.endpoints)
+                for w in self.queue.drain():
+                    self._finish_error(w, f"no endpoint of the pool answered for {self.pool.give_up_after:g}s "
+                                          f"({reasons})")
+            return
+        self._no_endpoint_since = None
+        while self.queue:
+            candidates = [e for e in self.endpoints if e.has_room(now)]
+            if not candidates:
+                return
+            head = self.queue.head()
+            if head is None:
+                return
+            e = self.router.choose(head.item.token_ids, candidates, head.avoid)
+            sb = self.queue.take(self._budget(e), self.pool.batch_prompts if self.pool.use_batch else 1)
+            if sb is None:
+                return
+            self._launch(sb, e)
+        if not self.queue:
+            self._hedge(now)
+
+    def _hedge(self, now: float) -> None:
+        usual = self._request_s
+        if usual is None:
+            return
+        for e in self.endpoints:
+            if not (e.has_room(now) and e.in_flight == 0):
+                continue
+            late = [sb for sb in self._flying if sb.twin is None and not sb.superseded and sb.endpoint is not e
+                    and not sb.source.cancelled and now - sb.started > HEDGE_AFTER * usual]
+            if not late:
+                return
+            old = min(late, key=lambda sb: sb.started)
+            twin = SubBatch(old.works, old.source, old.params, old.tokens)
+            old.twin, twin.twin = twin, old
+            self.hedges += 1
+            self._launch(twin, e)
+
+    def _budget(self, e: Endpoint) -> int:
+        """Tokens for `e`'s next sub-batch: its share (by measured speed, else weight) of the
+        queued work over ROUNDS, from min_batch_tokens (fewer, fuller requests) to batch_tokens."""
+        alive = [x for x in self.endpoints if x.alive]
+        rates = [x.rate for x in alive]
+        if all(r is not None for r in rates) and rates:
+            share = (e.rate or 0.0) / sum(rates)  # type: ignore[arg-type]
+        else:
+            share = e.weight / sum(x.weight for x in alive)
+        return min(self.pool.batch_tokens, max(self.pool.min_batch_tokens, int(self.queue.queued_tokens * share / ROUNDS)))
+
+    def _launch(self, sb: SubBatch, e: Endpoint) -> None:
+        sb.endpoint, sb.started = e, time.monotonic()
+        e.begin(sb.tokens)
+        self._flying.add(sb)
+        self._in_flight_items += len(sb.works)
+        for w in sb.works:
+            sb.source.in_engine[w.item.request_id] = w.item
+        self.router.record(e, [w.item.token_ids for w in sb.works])
+        sb.task = self.loop.create_task(self._send(sb, e))
+
+    async def _send(self, sb: SubBatch, e: Endpoint) -> None:
+        done_tokens = 0
+        try:
+            done_tokens = await self._request(sb, e)
+        except asyncio.CancelledError:
+            reason = self.stop_reason if self._stopping else None
+            for w in ([] if sb.superseded else sb.works):
+                self._answer(w, RequestOutput(w.item.request_id or "", w.item.token_ids, [], "", "abort", error=reason))
+        except Exception as err:  # noqa: BLE001  (a bug here must still answer the works)
+            log.exception("sending a sub-batch failed")
+            self._retry(sb, e, EndpointError("server", f"{type(err).__name__}: {err}"))
+        finally:
+            e.end(sb.tokens, done_tokens)
+            self._flying.discard(sb)
+            self._in_flight_items -= len(sb.works)
+            for w in sb.works:
+                sb.source.in_engine.pop(w.item.request_id, None)
+            self._kick()
+
+    async def _request(self, sb: SubBatch, e: Endpoint) -> int:
+        """Send the sub-batch and answer its works (or hand the failure to _retry); the tokens
+        the endpoint computed, for its speed."""
+        text = e.accepts_token_ids is False
+        try:
+            data, text = await self._post(sb, e, text)
+            per_prompt = wire.parse_completions(data, len(sb.works), sb.params.n, e.url)
+        except EndpointError as err:
+            self._retry(sb, e, err)
+            return 0
+        took = time.monotonic() - sb.started
+        self._request_s = took if self._request_s is None else 0.8 * self._request_s + 0.2 * took
+        twin = sb.twin
+        if twin is not None and twin.task is not None and not twin.task.done():
+            twin.superseded = True  # this answer won: the other request is cancelled
+            twin.task.cancel()
+        prompt_tokens, cached, completion = wire.usage_of(data)
+        e.on_success()
+        if not text:
+            e.accepts_token_ids = True
+        c = e.counters
+        c.prompts += len(sb.works)
+        c.prompt_tokens += prompt_tokens
+        c.cached_tokens += cached
+        c.completion_tokens += completion
+        s = self._stats
+        s.prompt_tokens += prompt_tokens
+        s.cached_prompt_tokens += cached
+        s.prefill_tokens += prompt_tokens - cached
+        s.decode_tokens += completion
+        s.steps += 1
+        for w, samples in zip(sb.works, per_prompt):
+            one_cached = cached if len(sb.works) == 1 else 0  # a list request reports its total only
+            try:
+                out = wire.to_output(w.item.request_id or "", w.item.token_ids, samples, sb.params, self._tokenizer,
+                                     one_cached)
+            except Exception as err:  # noqa: BLE001  (one answer that cannot be read fails alone)
+                out = RequestOutput(w.item.request_id or "", w.item.token_ids, [], "", "error",
+                                    error=f"the answer from {e.url} cannot be read: {type(err).__name__}: {err}")
+            self._answer(w, out)
+        return prompt_tokens + completion or sb.tokens
+
+    async def _post(self, sb: SubBatch, e: Endpoint, text: bool) -> tuple[dict, bool]:
+        """POST the sub-batch's prompts as token ids (as text where the endpoint refuses ids);
+        (the answer, whether it went as text). While it is not known whether the endpoint takes
+        ids, a 400/422 is tried once more as text: if that is answered, it refuses ids."""
+        def body(as_text: bool) -> dict:
+            prompts = [self._as_text(w.item.token_ids) if as_text else w.item.token_ids for w in sb.works]
+            return wire.completion_body(self.model, prompts, sb.params, self.pool.structured)
+
+        try:
+            return await e.post_json("/v1/completions", body(text)), text
+        except EndpointError as err:
+            if text or e.accepts_token_ids is not None or err.kind != "request" or err.status not in (400, 422):
+                raise
+            data = await e.post_json("/v1/completions", body(True))  # its failure is the prompts' own
+            e.accepts_token_ids = False
+            log.warning("%s refuses token-id prompts (%s): it gets text from now on (the same tokens, decoded)",
+                        e.url, err.message)
+            return data, True
+
+    def _as_text(self, ids: list[int]) -> str:
+        return self._tokenizer.hf.decode(ids, skip_special_tokens=False)
+
+    def _retry(self, sb: SubBatch, e: Endpoint, err: EndpointError) -> None:
+        """A failed sub-batch: move it (endpoint faults), split it (request faults), or fail it."""
+        twin = sb.twin
+        if twin is not None and twin.task is not None and not twin.task.done():
+            twin.twin = None  # the twin goes on alone: its failure is then retried as any
+            self._note_fault(e, err)
+            return
+        if err.endpoint_fault:
+            self._note_fault(e, err)
+            self._requeue(sb.works, e, err, delay=0.0)
+            return
+        if len(sb.works) > 1:  # one prompt may be the cause: halves, each retried on its own
+            mid = len(sb.works) // 2
+            count = err.kind == "server"  # a 4xx names the request: splitting is no retry
+            for half in (sb.works[:mid], sb.works[mid:]):
+                for w in half:  # the halves go on their own (the queue would join them again)
+                    w.cap = len(half)
+                self._requeue(half, e, err, delay=backoff(self.pool.backoff_s, 1) if count else 0.0, count=count)
+            return
+        w = sb.works[0]
+        if err.kind == "request":  # the server refuses this prompt: its answer
+            self._finish_error(w, err.message)
+            return
+        self._requeue([w], e, err, delay=backoff(self.pool.backoff_s, w.attempts + 1))
+
+    def _note_fault(self, e: Endpoint, err: EndpointError) -> None:
+        if not err.endpoint_fault:
+            return
+        if err.kind in ("connection", "gateway", "auth", "model") or (err.kind == "timeout" and e.failures >= 1):
+            self._mark_dead(e, err.message)
+        else:  # a 429/503, or a first timeout: the endpoint slows down
+            e.on_overload(err.retry_after, self.pool.backoff_s)
+
+    def _requeue(self, works: list[Work], e: Endpoint, err: EndpointError, delay: float, count: bool = True) -> None:
+        again = []
+        for w in works:
+            if w.answered:
+                continue
+            if w.source.cancelled:
+                self._answer(w, RequestOutput(w.item.request_id or "", w.item.token_ids, [], "", "abort"))
+                continue
+            if count:
+                w.attempts += 1
+            if w.attempts > self.pool.max_retries:
+                self._finish_error(w, f"failed after {w.attempts} tries; the last: {err.message}")
+                continue
+            w.avoid = e.index
+            again.append(w)
+        if not again:
+            return
+        if delay <= 0:
+            self.queue.add(again, front=True)
+            self._kick()
+            return
+        key = next(self._ids)
+        self._delayed[key] = again
+
+        def later() -> None:
+            works = self._delayed.pop(key, None)
+            if works is None or self._stopping:  # answered by a cancel or the shutdown
+                return
+            live = [w for w in works if not w.answered and not w.source.cancelled]
+            for w in works:
+                if not w.answered and w.source.cancelled:
+                    self._answer(w, RequestOutput(w.item.request_id or "", w.item.token_ids, [], "", "abort"))
+            self.queue.add(live, front=True)
+            self._kick()
+
+        self.loop.call_later(delay, later)
+
+    def _mark_dead(self, e: Endpoint, reason: str) -> None:
+        if e.alive:
+            log.warning("endpoint %s is down (%s): its work goes to the others until it answers again", e.url, reason)
+        e.mark_dead(reason)
+        self.router.forget(e)
+        if e.index not in self._probes or self._probes[e.index].done():
+            self._probes[e.index] = self.loop.create_task(self._probe(e))
+
+    async def _probe(self, e: Endpoint) -> None:
+        """Ask a dead endpoint GET /v1/models until it answers with the model; then take it back."""
+        wait = PROBE_MIN_S
+        while not self._stopping and not e.alive:
+            await asyncio.sleep(wait)
+            wait = min(PROBE_MAX_S, wait * 2)
+            try:
+                data = await e.get_json("/v1/models", timeout=5.0)
+            except EndpointError:
+                continue
+            if self.model in served_models(data):
+                log.warning("endpoint %s answers again: it gets work again", e.url)
+                e.mark_alive()
+                self._kick()
+
+    # ---- answers ------------------------------------------------------------------------------
+    def _finish_error(self, w: Work, message: str) -> None:
+        self._answer(w, RequestOutput(w.item.request_id or "", w.item.token_ids, [], "", "error", error=message))
+
+    def _answer(self, w: Work, out: RequestOutput) -> None:
+        if w.answered:
+            return
+        w.answered = True
+        if out.finish_reason != "abort":
+            self._stats.finished += 1
+            self._stats.failed += out.error is not None
+        self._answer_item(w.item, out)
+
+    def _answer_item(self, item: Item, out: RequestOutput) -> None:
+        """Hand `out` to the item's handler; a handler that raises gets one error output."""
+        try:
+            item.on_done(out)
+            return
+        except Exception as e:  # noqa: BLE001
+            log.exception("a result handler failed")
+            error = f"the result could not be handled: {type(e).__name__}: {e}"
+        try:
+            item.on_done(RequestOutput(out.request_id, item.token_ids, [], "", "error", error=error))
+        except Exception:  # noqa: BLE001
+            log.exception("a result handler failed on an error output too")
+
+    def _stopped_output(self, item: Item) -> RequestOutput:
+        return RequestOutput(item.request_id or "", item.token_ids, [], "", "abort", error=self.stop_reason)
+
+    def _answer_all(self, reason: str | None) -> None:
+        """The loop is ending: every work not answered yet is, now."""
+        delayed, self._delayed = list(self._delayed.values()), {}
+        for works in delayed:
+            for w in works:
+                self._answer(w, self._stopped_output(w.item))
+        for w in self.queue.drain():
+            self._answer(w, self._stopped_output(w.item))
+        for sb in list(self._flying):
+            for w in sb.works:
+                self._answer(w, self._stopped_output(w.item))
+        self._flying.clear()
+        self._in_flight_items = 0
+
+
+def served_models(data: Any) -> list[str]:
+    """The model ids a /v1/models answer lists."""
+    items = data.get("data") if isinstance(data, dict) else None
+    return [m.get("id") for m in items or [] if isinstance(m, dict) and m.get("id")]
+
+
+def _done(value) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut

@@ -1,0 +1,58 @@
+"""The pool's tokenizer: the model's own tokenizer files, loaded without its weights.
+
+Prompts are rendered here, client-side, with the model's chat template (from its tokenizer
+files), so every endpoint receives the very token ids a local engine would run. `tokenizer`
+names the files: a local model (a .gguf file or a Hugging Face directory), 'smollm2-135m' for
+the embedded model, or a hub id (only the tokenizer's files are fetched); by default the
+served model's name."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..models import ModelNotFoundError, Tokenizer
+from ..models.loader import EMBEDDED_NAMES, resolve_model
+from .errors import PoolError
+
+
+def load_tokenizer(name: str | None) -> tuple[Tokenizer, int | None]:
+    """(the tokenizer, the model's context length where its config says it)."""
+    local = name is None or str(name).lower() in EMBEDDED_NAMES or Path(str(name)).expanduser().exists()
+    try:
+        if local:
+            source = resolve_model(name)
+            return Tokenizer.load(source), _local_context(source)
+        return _hub_tokenizer(str(name))
+    except ModelNotFoundError as e:
+        raise PoolError(f"cannot load the tokenizer {name!r} to render prompts: {e}. Pass tokenizer= (a local "
+                        f"model directory or .gguf file, or a hub id) to bp.EndpointPool") from None
+
+
+def _hub_tokenizer(repo_id: str) -> tuple[Tokenizer, int | None]:
+    try:
+        from transformers import AutoConfig, AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(repo_id)
+    except Exception as e:  # offline, unknown repo, gated repo
+        raise PoolError(f"cannot load the tokenizer of {repo_id!r} ({type(e).__name__}: {e}); the pool renders "
+                        f"prompts with the model's own tokenizer: pass tokenizer= (a local model directory or "
+                        f".gguf file) to bp.EndpointPool, or 'smollm2-135m' for the embedded model") from None
+    try:
+        ctx = getattr(AutoConfig.from_pretrained(repo_id), "max_position_embeddings", None)
+    except Exception:  # noqa: BLE001  (a tokenizer-only repo: the servers' limit then applies)
+        ctx = None
+    return Tokenizer(hf), ctx
+
+
+def _local_context(source) -> int | None:
+    try:
+        if source.kind == "hf_dir":
+            return json.loads((source.path / "config.json").read_text()).get("max_position_embeddings")
+        import gguf
+
+        reader = gguf.GGUFReader(str(source.path))
+        arch = reader.fields["general.architecture"].contents()
+        field = reader.fields.get(f"{arch}.context_length")
+        return int(field.contents()) if field is not None else None
+    except Exception:  # noqa: BLE001  (unknown: the servers' own limit applies)
+        return None

@@ -1,0 +1,179 @@
+"""The wire format: SamplingParams as an OpenAI /v1/completions body, and the answer back as
+RequestOutputs.
+
+Prompts go as token ids (our server, vLLM and SGLang accept a list of token-id lists), so a
+remote server runs exactly the tokens a local engine would; an endpoint that refuses ids gets
+the same tokens as text (see RemoteBackend). Structured output goes as vLLM's
+`structured_outputs` object (or the older `guided_*` fields, `structured="guided"`), JSON
+mode as OpenAI's `response_format`; our server reads all of them as `batchprompt run` does.
+
+Generated token ids: where the server returns them (vLLM, with `return_tokens_as_token_ids`
+and logprobs asked) they are used as they are; otherwise the text is encoded again with the
+pool's tokenizer, plus the EOS token when the output ended on it, so a count may differ from
+the server's own by a token where the model produced an unusual tokenization.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ..engine import RequestOutput, SamplingParams
+from .errors import EndpointError
+
+STRUCTURED_STYLES = ("structured_outputs", "guided")
+FINISH = {"stop": "stop", "length": "length", "eos": "stop", "stop_sequence": "stop"}
+
+
+def unsupported(params: SamplingParams) -> str | None:
+    """Why these parameters cannot run on a remote OpenAI-compatible server (None: they can)."""
+    if params.score_choices:
+        return ("choice_mode='score' needs the engine's label scoring, which OpenAI-compatible servers do not offer: "
+                "use choice_mode='decode' (the default) with a pool of endpoints")
+    if params.prompt_logprobs_from is not None:
+        return "prompt log-probs are not available from a pool of endpoints: run this model locally"
+    return None
+
+
+def completion_body(model: str, prompts: Sequence[Sequence[int] | str], params: SamplingParams,
+                    structured: str = "structured_outputs") -> dict[str, Any]:
+    """One /v1/completions request for `prompts`, which share `params`."""
+    p = params
+    body: dict[str, Any] = {"model": model, "prompt": [list(x) if not isinstance(x, str) else x for x in prompts],
+                            "max_tokens": p.max_tokens, "temperature": p.temperature}
+    if p.top_p != 1.0:
+        body["top_p"] = p.top_p
+    if p.top_k > 0:
+        body["top_k"] = p.top_k
+    if p.seed is not None:
+        body["seed"] = p.seed
+    if p.stop:
+        body["stop"] = list(p.stop)
+    if p.stop_token_ids:
+        body["stop_token_ids"] = list(p.stop_token_ids)
+    if p.ignore_eos:
+        body["ignore_eos"] = True
+    for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                      ("min_p", 0.0), ("min_tokens", 0)):
+        if getattr(p, name) != off:
+            body[name] = getattr(p, name)
+    if p.logit_bias:
+        body["logit_bias"] = {str(k): v for k, v in p.logit_bias.items()}
+    if p.include_stop_str_in_output:
+        body["include_stop_str_in_output"] = True
+    if p.n > 1:
+        body["n"] = p.n
+    if p.best_of is not None and p.best_of > p.n:
+        body["best_of"] = p.best_of
+    if p.logprobs:
+        body["logprobs"] = p.top_logprobs  # completions: k alternatives per position (0: the chosen token's)
+        body["return_tokens_as_token_ids"] = True  # vLLM: "token_id:123"; others ignore it
+    if p.grammar is not None:
+        body.update(structured_fields(p.grammar, structured))
+    return body
+
+
+def structured_fields(grammar, style: str = "structured_outputs") -> dict[str, Any]:
+    """A Grammar as request fields: `structured_outputs` (vLLM >= 0.10, ours) or `guided_*`."""
+    kind, src = grammar.kind, grammar.source
+    if kind == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if kind == "choices":
+        value: Any = json.loads(src)["labels"]
+    elif kind == "json_schema":
+        value = json.loads(src)
+    else:  # regex, lark
+        value = src
+    key = {"choices": "choice", "regex": "regex", "json_schema": "json", "lark": "grammar"}[kind]
+    if style == "guided":
+        return {f"guided_{'json' if key == 'json' else key}": value}
+    return {"structured_outputs": {key: value}}
+
+
+@dataclass
+class Sample:
+    text: str
+    finish_reason: str
+    token_ids: list[int] | None  # as the server gave them, when it did
+    logprobs: list[float] | None
+    top_logprobs: list[dict[str, float]] | None
+
+
+def parse_completions(data: Any, n_prompts: int, n: int, where: str) -> list[list[Sample]]:
+    """The answer's choices, grouped per prompt (choice index = prompt * n + sample, as vLLM
+    and our server number them); EndpointError('server') when the shape is wrong."""
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not isinstance(choices, list) or len(choices) != n_prompts * n:
+        got = len(choices) if isinstance(choices, list) else type(choices).__name__
+        raise EndpointError("server", f"{where}: expected {n_prompts * n} choices, got {got}", 200)
+    try:
+        ordered = sorted(choices, key=lambda c: c.get("index", 0))
+        samples = [_sample(c) for c in ordered]
+    except (AttributeError, TypeError, ValueError, KeyError) as e:
+        raise EndpointError("server", f"{where}: malformed choice ({type(e).__name__}: {e})", 200) from None
+    return [samples[i * n:(i + 1) * n] for i in range(n_prompts)]
+
+
+def usage_of(data: Any) -> tuple[int, int, int]:
+    """(prompt, cached, completion) tokens the answer reports (0 where it says nothing)."""
+    u = data.get("usage") if isinstance(data, dict) else None
+    if not isinstance(u, dict):
+        return 0, 0, 0
+    details = u.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+    return int(u.get("prompt_tokens") or 0), int(cached or 0), int(u.get("completion_tokens") or 0)
+
+
+def _sample(c: dict) -> Sample:
+    text = c.get("text")
+    if not isinstance(text, str):
+        raise ValueError("a choice has no text")
+    lp = c.get("logprobs")
+    ids = logprobs = tops = None
+    if isinstance(lp, dict) and lp.get("token_logprobs") is not None:
+        logprobs = [float(v) if v is not None else 0.0 for v in lp["token_logprobs"]]
+        tokens = lp.get("tokens") or []
+        if tokens and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+            ids = [int(t[len("token_id:"):]) for t in tokens]
+        tops = lp.get("top_logprobs")
+    return Sample(text, FINISH.get(c.get("finish_reason") or "stop", "stop"), ids, logprobs, tops)
+
+
+def to_output(rid: str, prompt_ids: list[int], samples: list[Sample], params: SamplingParams, tokenizer,
+              cached: int = 0) -> RequestOutput:
+    """One item's RequestOutput (its n samples in `samples`, for n > 1)."""
+    outs = [_one(rid, prompt_ids, s, params, tokenizer, cached) for s in samples]
+    out = outs[0]
+    if len(outs) > 1:
+        out.samples = outs
+    return out
+
+
+def _one(rid: str, prompt_ids: list[int], s: Sample, params: SamplingParams, tokenizer, cached: int) -> RequestOutput:
+    ids = s.token_ids
+    if ids is None:
+        ids = tokenizer.encode(s.text, add_special_tokens=False) if s.text else []
+        eos = getattr(tokenizer, "eos_token_ids", ())
+        if s.finish_reason == "stop" and not params.stop and not params.ignore_eos and eos and len(ids) < params.max_tokens:
+            ids.append(min(eos))  # it stopped on EOS, which the text does not show
+    tops = None
+    if params.top_logprobs and s.top_logprobs is not None:
+        tops = [_top(pos, tokenizer) for pos in s.top_logprobs]
+    return RequestOutput(rid, list(prompt_ids), list(ids), s.text, s.finish_reason,
+                         logprobs=s.logprobs if params.logprobs else None, top_logprobs=tops,
+                         num_cached_tokens=cached)
+
+
+def _top(pos: Any, tokenizer) -> list[tuple[int, float]]:
+    """One position's alternatives as (token id, log-prob), most likely first."""
+    out = []
+    for tok, lp in (pos or {}).items():
+        if tok.startswith("token_id:"):
+            tid = int(tok[len("token_id:"):])
+        else:
+            enc = tokenizer.encode(tok, add_special_tokens=False)
+            if not enc:
+                continue
+            tid = enc[0]
+        out.append((tid, float(lp)))
+    return sorted(out, key=lambda x: -x[1])

@@ -1,0 +1,65 @@
+"""The local backend feeds sources by priority: an interactive source goes ahead of a big bulk
+source already queued, and the bulk source still finishes (the tiny random Llama)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from batchprompt import EngineConfig, LLMEngine, SamplingParams
+from batchprompt.api.service import EngineService
+from batchprompt.backends import BULK, Item, Source
+from batchprompt.models import build_model, load_hf_weights, resolve_model
+
+WAIT_S = 120  # bounded waits: a broken build fails instead of hanging
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture()
+def service(tiny_model_dir):
+    args, weights = load_hf_weights(resolve_model(tiny_model_dir))
+    model = build_model(args, weights, torch.float32, torch.device("cpu"))
+    # 8 sequences at once: the service's window (8 + at least 64) holds far more bulk rows than run.
+    svc = EngineService(LLMEngine.from_model(model, None, EngineConfig(max_num_seqs=8)), name="priority")
+    yield svc
+    svc.shutdown()
+
+
+def prompt(i: int) -> list[int]:
+    return [3 + i % 90, 4 + i % 89, 5, 6, 7, 8 + i % 80]
+
+
+def test_an_interactive_source_is_fed_and_run_ahead_of_a_big_bulk_source_already_queued(service):
+    engine = service.engine
+    answered: list[tuple[str, int]] = []  # (which, engine steps when answered), on the engine thread
+    bulk_started, bulk_done, chat_done = threading.Event(), threading.Event(), threading.Event()
+
+    def on_bulk(out):
+        answered.append(("bulk" if out.error is None else out.error, engine.stats.steps))
+        bulk_started.set()
+        if sum(w == "bulk" for w, _ in answered) == 400:
+            bulk_done.set()
+
+    def on_chat(out):
+        answered.append(("chat" if out.error is None else out.error, engine.stats.steps))
+        chat_done.set()
+
+    bulk = Source(priority=BULK)
+    bulk.items.extend(Item(prompt(i), PARAMS, on_bulk) for i in range(400))
+    service.submit(bulk)
+    assert bulk_started.wait(WAIT_S)  # the bulk rows fill the window and the engine's queue
+    steps_before = service.call(lambda: engine.stats.steps).result(WAIT_S)
+    in_engine = service.in_flight
+    chat = Source()  # interactive, the default
+    chat.items.append(Item(prompt(1000), PARAMS, on_chat))
+    service.submit(chat)
+    assert chat_done.wait(WAIT_S)
+    assert bulk_done.wait(WAIT_S)  # and every bulk row ran too
+    chat_step = next(s for w, s in answered if w == "chat")
+    assert in_engine > 8  # bulk rows were waiting in the engine, ahead of the chat in arrival order
+    # Fed at once and admitted the next step: its prefill and three decode steps, and at most the
+    # step under way when it was submitted. First come, it would wait behind the queued bulk rows.
+    assert chat_step - steps_before <= 4 + 2
+    assert sum(w == "bulk" for w, s in answered if s > chat_step) > 300  # most were still to run
+    assert len(answered) == 401

@@ -1,0 +1,163 @@
+"""The batch API over engine replicas on a local Ray: the same answers as one local engine, in
+the same order; streaming, cancel and a bad prompt as locally; a replica killed mid-batch costs
+nothing but a re-run of its rows, and Ray restarts it."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import batchprompt as bp
+
+from .conftest import REPLICA, SPAM_SYSTEM, sms_rows, wait_for
+
+pytestmark = pytest.mark.slow
+
+N = 24
+
+
+@pytest.fixture(scope="module")
+def cluster(local_ray):
+    c = bp.RayCluster(replicas=2, **REPLICA)
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def lm(cluster):
+    session = bp.LanguageModel.create(system=SPAM_SYSTEM, cluster=cluster, dtype="float32", max_tokens=6)
+    yield session
+    session.destroy()
+
+
+@pytest.fixture(scope="module")
+def messages():
+    return [text for _, text in sms_rows(N)]
+
+
+@pytest.fixture(scope="module")
+def local_texts(messages):
+    """The reference: one local engine (float32, greedy) on the same prompts."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        local = bp.LanguageModel.create(system=SPAM_SYSTEM, dtype="float32", max_tokens=6)
+        texts = [r.text for r in local.batch_prompt(messages)]
+        local.close()
+    finally:
+        torch.set_num_threads(threads)
+    return texts
+
+
+def test_answers_are_the_local_engines_in_input_order(lm, messages, local_texts):
+    results = lm.batch_prompt(messages)
+    assert [r.index for r in results] == list(range(N))
+    assert all(r.error is None for r in results)
+    assert [r.text for r in results] == local_texts
+    backend = lm.backend
+    assert backend.name.startswith("ray-") and backend.rows_rerun == 0
+    # Each replica holds the session's system prompt (pinned once there): every prompt found it
+    # in its replica's prefix cache.
+    stats = backend.stats(timeout=30)
+    assert stats.finished >= N and lm.pinned_tokens > 0
+    assert stats.cached_prompt_tokens >= N * lm.pinned_tokens
+    assert sum(1 for r in backend.replicas if r["state"] == "ready") == 2
+
+
+def test_streaming_and_progress_over_replicas(lm, messages, local_texts):
+    batch = lm.create_batch(messages[:8], progress=True)
+    seen = dict(iter(batch))
+    assert sorted(seen) == list(range(8))
+    assert [seen[i].text for i in range(8)] == local_texts[:8]
+
+
+def test_a_bad_prompt_fails_alone(lm, messages, local_texts):
+    # A logit bias on a token id beyond the vocabulary: only the replica's engine finds out.
+    bad = lm.batch_prompt(messages[:3], logit_bias={999_999: 1.0})
+    assert all(r.error and "vocabulary" in r.error for r in bad)
+    good = lm.batch_prompt(messages[:3])
+    assert [r.text for r in good] == local_texts[:3]
+
+
+def test_cancel_answers_every_prompt(lm, messages):
+    batch = lm.create_batch(messages * 4, max_tokens=32)
+    first = threading.Event()
+    batch.on_result(lambda i, r: first.set())
+    batch.start()
+    assert first.wait(120)
+    batch.cancel()
+    results = batch.wait(timeout=120)
+    assert len(results) == 4 * N
+    assert any(r.finish_reason == "cancelled" for r in results)
+    assert all(r.error is None or r.finish_reason == "cancelled" for r in results)
+
+
+def test_a_killed_replica_costs_a_rerun_and_comes_back(lm, messages, local_texts):
+    import ray
+
+    backend = lm.backend
+    rerun0 = backend.rows_rerun
+    prompts = messages * 3
+    batch = lm.create_batch(prompts)
+    killed: list[dict] = []
+    seen = [0]
+
+    def on_result(index, result):
+        # Kill the replica that holds the most rows right now, once a few results are in.
+        seen[0] += 1
+        if killed or seen[0] < 4:
+            return
+        victim = max(backend.replicas, key=lambda r: r["in_flight"])
+        if victim["in_flight"]:
+            killed.append(victim)
+            ray.kill(victim["handle"], no_restart=False)
+    batch.on_result(on_result)
+    results = batch.wait(timeout=300)
+    assert killed, "no replica held rows to kill"
+    assert [r.text for r in results] == local_texts * 3  # every prompt answered once, as locally
+    assert backend.rows_rerun > rerun0
+    assert backend.replicas_lost >= 1
+    # Ray restarts it, and it takes work again.
+    index = killed[0]["index"]
+    wait_for(lambda: backend.replicas[index]["state"] == "ready" and backend.replicas[index]["restarts"] >= 1,
+             180, "the killed replica to be restarted")
+    again = lm.batch_prompt(messages)
+    assert [r.text for r in again] == local_texts
+
+
+def test_clone_and_a_second_session_share_the_replicas(lm, cluster, messages, local_texts):
+    other = lm.clone()
+    assert other.backend is lm.backend
+    assert other.pinned_tokens == lm.pinned_tokens > 0
+    assert [r.text for r in other.batch_prompt(messages[:4])] == local_texts[:4]
+    other.destroy()
+    second = bp.LanguageModel.create(system=SPAM_SYSTEM, cluster=cluster, dtype="float32", max_tokens=6)
+    assert second.backend is lm.backend
+    second.destroy()
+
+
+def test_replicas_that_cannot_start_give_an_error_not_a_hang(local_ray):
+    """A replica asks for a resource no node has: creating the session fails with the reason
+    within the start timeout. (The backend's dispatch thread used to wait for the cluster's lock,
+    held by the starter that was waiting for that thread: a hang.)"""
+    c = bp.RayCluster(replicas=1, replica_cpus=0.5, threads=1, start_timeout_s=3,
+                      replica_resources={"bp_no_such_resource": 1})
+    outcome: list = []
+
+    def create() -> None:
+        try:
+            bp.LanguageModel.create(cluster=c, dtype="float32")
+        except Exception as e:  # noqa: BLE001
+            outcome.append(e)
+
+    t = threading.Thread(target=create, daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "creating a session on replicas that cannot start hung"
+    from batchprompt.ray.cluster import ClusterError
+
+    assert len(outcome) == 1 and isinstance(outcome[0], ClusterError), outcome
+    assert "no Ray replica was ready within 3s" in str(outcome[0])
+    assert c.backends == []

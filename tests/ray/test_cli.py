@@ -1,0 +1,91 @@
+"""`batchprompt run --ray`: the same output, errors file and exit status as a local run; a driver
+killed with SIGKILL resumes from its journal; without Ray, one line says what to install."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import answers, journal_rows, spam_lines, wait_for, write_jsonl
+
+pytestmark = pytest.mark.slow
+
+N, BAD = 40, 5
+
+
+def batchprompt(*args: str, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, "-m", "batchprompt", "run", *args, "--no-progress", "--dtype", "float32"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("job") / "in.jsonl", spam_lines(N, bad=(BAD,)))
+
+
+@pytest.fixture(scope="module")
+def reference(job, tmp_path_factory):
+    """The local run of the same job: its outputs and errors."""
+    out = tmp_path_factory.mktemp("local") / "out.jsonl"
+    p = batchprompt(job, "-o", str(out))
+    _, err = p.communicate(timeout=600)
+    assert p.returncode == 1, err  # the bad row failed, alone
+    return answers(out), open(str(out) + ".errors.jsonl").read().count("\n")
+
+
+def test_killed_driver_resumes_and_matches_a_local_run(local_ray, job, reference, tmp_path):
+    out = tmp_path / "out.jsonl"
+    ray_args = (job, "-o", str(out), "--ray", "--address", local_ray, "--replicas", "2", "--replica-cpus", "0.5")
+    first = batchprompt(*ray_args)
+    try:
+        wait_for(lambda: journal_rows(str(out) + ".journal") >= 6 or first.poll() is not None, 600,
+                 "the Ray job to journal some rows")
+        assert first.poll() is None, first.communicate()[1]
+        first.send_signal(signal.SIGKILL)  # the driver dies mid-job; Ray ends its replicas
+        first.wait(30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    done = journal_rows(str(out) + ".journal")
+    assert 6 <= done < N
+    second = batchprompt(*ray_args)
+    _, err = second.communicate(timeout=600)
+    assert second.returncode == 1, err  # as locally: one row failed
+    assert f"resuming: {done} of {N} rows are already done" in err
+    ref_answers, ref_errors = reference
+    got = answers(out)
+    assert got == ref_answers  # same content, same order, each custom_id once
+    assert len({a[0] for a in got}) == N - 1
+    errors = open(str(out) + ".errors.jsonl").read()
+    assert errors.count("\n") == ref_errors == 1 and f'"sms-{BAD}"' in errors and "vocabulary" in errors
+
+
+BLOCK_RAY = """
+import importlib.abc, sys
+class NoRay(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "ray" or name.startswith("ray."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, NoRay())
+from batchprompt.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ray_without_ray_installed_says_what_to_install(job, tmp_path):
+    p = subprocess.run([sys.executable, "-c", BLOCK_RAY, "run", job, "-o", str(tmp_path / "o.jsonl"), "--ray"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [
+        "batchprompt: error: --ray: Ray is not installed: pip install 'batchprompt[ray]'"]
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_ray_options_need_ray(job, tmp_path):
+    from batchprompt.cli import main
+
+    assert main(["run", job, "-o", str(tmp_path / "o.jsonl"), "--replicas", "2"]) == 2

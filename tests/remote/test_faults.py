@@ -1,0 +1,97 @@
+"""Faults, against real servers: a proxy of ours injecting 500s, 429s, dropped connections and
+delays in front of one; a prompt one server refuses; a server killed (-9) mid-batch."""
+from __future__ import annotations
+
+import signal
+import threading
+
+import batchprompt as bp
+from tests.server.conftest import stop_server
+
+from .conftest import pool_of, start_servers
+
+PROMPTS = [f"Say the number {i} in words." for i in range(16)]
+
+
+def test_injected_faults_are_retried_and_every_answer_is_right(two_servers, proxy, reference):
+    want = reference(PROMPTS, max_tokens=6)
+    proxy.plan("500", 2)
+    proxy.plan("429", 2)
+    proxy.plan("drop", 2)
+    proxy.plan("503", 1)
+    proxy.plan("delay:0.5", 1)
+    with pool_of([two_servers[0].url, proxy.url], min_batch_tokens=32, backoff_s=0.05) as pool:
+        lm = bp.LanguageModel.create(model=pool, max_tokens=6)
+        got = lm.batch_prompt(PROMPTS)
+        stats = pool.endpoint_stats()
+    assert [r.error for r in got] == [None] * len(PROMPTS)
+    assert [r.text for r in got] == want
+    assert proxy.faults_done["500"] == 2 and proxy.faults_done["429"] == 2 and proxy.faults_done["drop"] >= 1
+    # every prompt completed exactly once on the servers: the failed tries never completed
+    assert sum(e["prompts"] for e in stats) == len(PROMPTS)
+    assert stats[1]["overloaded"] >= 2
+
+
+def test_a_timeout_is_retried(two_servers, proxy, reference):
+    want = reference(PROMPTS[:4], max_tokens=4)
+    proxy.plan("delay:30", 1)  # the first request hangs past the timeout; the retry is answered
+    with pool_of([proxy.url], timeout=6, backoff_s=0.05) as pool:
+        lm = bp.LanguageModel.create(model=pool, max_tokens=4)
+        got = lm.batch_prompt(PROMPTS[:4])
+        stats = pool.endpoint_stats()
+    assert [r.text for r in got] == want
+    assert stats[0]["errors"] == 1 and stats[0]["prompts"] == 4
+
+
+def test_a_late_sub_batch_is_hedged_on_an_idle_endpoint(two_servers, proxy, reference):
+    """Nothing queued, one endpoint idle, a sub-batch late on the other: it is sent again to the
+    idle one, the first answer wins and the late request is cancelled (no error, no retry)."""
+    want = reference(PROMPTS[:8], max_tokens=4)
+    proxy.plan("delay:60", 1)
+    with pool_of([proxy.url, two_servers[0].url], min_batch_tokens=16) as pool:
+        lm = bp.LanguageModel.create(model=pool, max_tokens=4)
+        got = lm.batch_prompt(PROMPTS[:8])  # would take 60 s without the hedge
+        stats = pool.endpoint_stats()
+        hedges = pool.as_backend().hedges
+    assert [r.text for r in got] == want
+    assert stats[0]["errors"] == 0 and stats[0]["prompts"] + stats[1]["prompts"] == 8
+    assert proxy.faults_done["delay:60"] == 1 and hedges >= 1
+
+
+def test_one_bad_prompt_fails_alone(two_servers, reference):
+    """The servers hold 512 tokens: a longer prompt is refused (400) in a sub-batch with good
+    ones; the sub-batch is split until it fails alone, with the server's message."""
+    long = "word " * 700
+    prompts = PROMPTS[:5] + [long] + PROMPTS[5:8]
+    want = reference(PROMPTS[:8], max_tokens=4)
+    with pool_of([s.url for s in two_servers]) as pool:
+        lm = bp.LanguageModel.create(model=pool, max_tokens=4)
+        got = lm.batch_prompt(prompts)
+    assert got[5].error is not None and "context holds 512" in got[5].error, got[5]
+    assert [r.text for i, r in enumerate(got) if i != 5] == want
+    assert all(r.error is None for i, r in enumerate(got) if i != 5)
+
+
+def test_a_server_killed_mid_batch_leaves_the_batch_to_the_others(tmp_path, reference):
+    prompts = [f"Write one sentence about the number {i}." for i in range(24)]
+    want = reference(prompts, max_tokens=24)
+    servers = start_servers(tmp_path, 2)
+    try:
+        with pool_of([s.url for s in servers], min_batch_tokens=64, backoff_s=0.05) as pool:
+            lm = bp.LanguageModel.create(model=pool, max_tokens=24)
+            batch = lm.create_batch(prompts)
+            some = threading.Event()
+            done = []
+            batch.on_result(lambda i, r: (done.append(i), len(done) >= 3 and some.set()))
+            batch.start()
+            assert some.wait(300), "no result within 300s"
+            servers[1].proc.send_signal(signal.SIGKILL)
+            results = batch.wait(timeout=600)
+            stats = pool.endpoint_stats()
+        assert [r.error for r in results] == [None] * len(prompts)
+        assert [r.text for r in results] == want
+        assert stats[1]["alive"] is False and stats[1]["deaths"] == 1
+        assert sum(e["prompts"] for e in stats) == len(prompts)  # none completed twice
+    finally:
+        for s in servers:
+            stop_server(s)

@@ -1,0 +1,42 @@
+"""Hostfiles: the three endpoint forms, comments, tags, and a clear error per bad line."""
+from __future__ import annotations
+
+import pytest
+
+from batchprompt.remote import HostfileError, parse_hostfile
+from batchprompt.remote.hostfile import endpoint_specs
+
+
+def test_forms_comments_and_tags(tmp_path):
+    f = tmp_path / "hosts"
+    f.write_text("# the cluster\n\nnode-1:8000 weight=2 role=big\nnode-2 8001  # spare\n"
+                 "http://10.0.0.7:8002/v1\nhttps://llm.example.org\n[::1]:9000\n")
+    specs = parse_hostfile(f)
+    assert [s.url for s in specs] == ["http://node-1:8000", "http://node-2:8001", "http://10.0.0.7:8002",
+                                      "https://llm.example.org", "http://[::1]:9000"]
+    assert specs[0].tags == {"weight": "2", "role": "big"} and specs[0].weight == 2.0
+    assert specs[1].weight == 1.0 and specs[3].port == 443
+
+
+@pytest.mark.parametrize("line, message", [
+    ("node-1", r"hosts:1: 'node-1' has no port; give host:port"),
+    ("node-1:80x", r"hosts:1: bad port in 'node-1:80x'"),
+    ("node-1:8000 weight=0", r"hosts:1: weight must be a number > 0, got '0'"),
+    ("node-1:8000 weight=2 extra", r"hosts:1: 'extra' after the tags"),
+    ("ftp://node-1:21", r"hosts:1: 'ftp://node-1:21' is not an http\(s\) endpoint"),
+    ("# nothing\n", r"lists no endpoint"),
+])
+def test_bad_lines_name_the_line_and_the_fix(tmp_path, line, message):
+    f = tmp_path / "hosts"
+    f.write_text(line + "\n")
+    with pytest.raises(HostfileError, match=message):
+        parse_hostfile(f)
+
+
+def test_lists_and_duplicates():
+    assert [s.url for s in endpoint_specs(["127.0.0.1:8000", "127.0.0.1 8001 weight=3"])] == [
+        "http://127.0.0.1:8000", "http://127.0.0.1:8001"]
+    with pytest.raises(HostfileError, match="listed twice"):
+        endpoint_specs(["127.0.0.1:8000", "http://127.0.0.1:8000/v1"])
+    with pytest.raises(HostfileError, match="cannot read the hostfile"):
+        endpoint_specs("/nonexistent/hosts")

@@ -1,0 +1,138 @@
+"""The pool behind the same API as the local engine, against two real servers."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+import batchprompt as bp
+from batchprompt.remote import PoolError, map_gather, scatter_gather, tree_reduce
+
+from .conftest import pool_of
+
+SYSTEM = "You are a terse assistant. Answer in a few words."
+PROMPTS = [f"What is the capital of country number {i}?" for i in range(10)] + ["Name a color.", "Name a fruit."]
+
+
+def test_pool_answers_as_the_local_engine_does(two_servers, reference):
+    """Same weights, float32, greedy: every answer equals the local engine's, in input order,
+    and the pool sent fewer HTTP requests than prompts (sub-batches of token-id prompts)."""
+    want = reference(PROMPTS, SYSTEM, max_tokens=12)
+    with pool_of([s.url for s in two_servers]) as pool:
+        lm = bp.LanguageModel.create(system=SYSTEM, model=pool, max_tokens=12)
+        got = lm.batch_prompt(PROMPTS)
+        assert [r.error for r in got] == [None] * len(PROMPTS)
+        assert [r.text for r in got] == want
+        assert all(r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0 for r in got)
+        stats = pool.endpoint_stats()
+        assert sum(e["prompts"] for e in stats) == len(PROMPTS)
+        assert sum(e["requests"] for e in stats) < len(PROMPTS)
+        assert all(e["token_ids"] is True for e in stats if e["requests"])
+
+
+def test_streaming_callbacks_progress_and_order(two_servers, reference):
+    want = reference(PROMPTS, SYSTEM, max_tokens=12)
+    with pool_of([s.url for s in two_servers]) as pool:
+        lm = bp.LanguageModel.create(system=SYSTEM, model=pool, max_tokens=12)
+        seen, completed = [], threading.Event()
+        batch = lm.create_batch(PROMPTS)
+        batch.on_result(lambda i, r: seen.append(i)).on_complete(lambda rs: completed.set())
+        streamed = dict(iter(batch))  # (index, result) as each completes
+        assert completed.wait(60)
+        assert sorted(seen) == list(range(len(PROMPTS)))
+        assert [streamed[i].text for i in range(len(PROMPTS))] == want
+        assert batch.progress.done == len(PROMPTS) and batch.progress.failed == 0
+
+
+def test_cancel_answers_every_prompt(two_servers):
+    with pool_of([s.url for s in two_servers], batch_tokens=64) as pool:
+        lm = bp.LanguageModel.create(model=pool, max_tokens=64)
+        batch = lm.create_batch([f"Write a long story about the number {i}." for i in range(40)])
+        batch.start()
+        batch.cancel()
+        results = batch.wait(timeout=120)
+        assert len(results) == 40
+        assert all(r.error is None or r.finish_reason == "cancelled" for r in results)
+        assert any(r.finish_reason == "cancelled" for r in results)
+
+
+def test_structured_output_goes_to_the_servers(two_servers, reference):
+    with pool_of([s.url for s in two_servers]) as pool:
+        lm = bp.LanguageModel.create(model=pool)
+        labels = lm.batch_prompt(["Is the sky blue? Answer yes or no.", "Is fire cold? Answer yes or no."],
+                                 choices=["yes", "no"])
+        assert all(r.text in ("yes", "no") for r in labels), labels
+        digits = lm.batch_prompt(["Give a number."], regex=r"[0-9]{3}")
+        assert len(digits[0].text) == 3 and digits[0].text.isdigit(), digits
+        people = lm.batch_prompt(["Describe a person."], max_tokens=64, json_schema={
+            "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+            "required": ["name", "age"]})
+        assert people[0].error is None and set(people[0].parsed) == {"name", "age"}, people
+        assert people[0].text == reference(["Describe a person."], max_tokens=64, json_schema={
+            "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+            "required": ["name", "age"]})[0]
+        scored = lm.batch_prompt(["Is it?"], choices=["yes", "no"], choice_mode="score")
+        assert scored[0].error and "choice_mode='decode'" in scored[0].error
+
+
+def test_a_model_the_endpoints_do_not_serve_is_a_clear_error(two_servers):
+    with pytest.raises(PoolError, match=r"does not serve the model 'llama-70b' \(it serves: smollm2-135m\)"):
+        bp.EndpointPool([s.url for s in two_servers], model="llama-70b")
+
+
+def test_no_endpoint_answering_is_a_clear_error():
+    from .fault_proxy import free_port
+
+    with pytest.raises(PoolError, match="none of the 2 endpoints answered GET /v1/models"):
+        bp.EndpointPool([f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"])
+
+
+def test_bad_hostfile_names_the_line(tmp_path):
+    from batchprompt.remote import HostfileError
+
+    f = tmp_path / "hosts"
+    f.write_text("# servers\n127.0.0.1:8000 weight=2\nnode-2\n")
+    with pytest.raises(HostfileError, match=r"hosts:3: 'node-2' has no port; give host:port"):
+        bp.EndpointPool(f)
+
+
+def test_aurora_methods(two_servers, reference):
+    prompts = ["Name a color.", "Name a fruit.", "Name a tree.", "Name a river."]
+    want = reference(prompts, max_tokens=8)
+
+    async def go(pool):
+        batched = await pool.send_all_batched(prompts, max_tokens=8)
+        direct = await pool.post_batch(1, prompts, max_tokens=8)
+        gathered = await scatter_gather(pool, prompts, max_tokens=8)
+        mapped = await map_gather(pool, ["color", "fruit"], "Name a {item}.", max_tokens=8)
+        chats = await pool.send_all(prompts[:2], max_tokens=8)
+        reduced = await tree_reduce(pool, "Name a {item}.", "Join these: {responses}", fanin=2,
+                                    items=["color", "fruit", "tree"], max_tokens=8)
+        return batched, direct, gathered, mapped, chats, reduced
+
+    with pool_of([s.url for s in two_servers]) as pool:
+        batched, direct, gathered, mapped, chats, reduced = asyncio.run(go(pool))
+    assert [r.text for r in batched] == want and all(r.success for r in batched)
+    assert [r.text for r in direct] == want and {r.agent_index for r in direct} == {1}
+    assert [r.text for r in gathered] == want
+    assert [r.text for r in mapped] == want[:2]
+    assert all(r.success and r.text for r in chats)  # chat completions: the server renders the template
+    assert reduced.success and reduced.text
+
+
+def test_an_endpoint_down_at_start_is_taken_in_when_it_answers(two_servers, proxy):
+    proxy.set_down(True)
+    with pool_of([two_servers[0].url, proxy.url], give_up_after=30, min_batch_tokens=64) as pool:
+        lm = bp.LanguageModel.create(model=pool, max_tokens=4)
+        assert [r.error for r in lm.batch_prompt(PROMPTS[:4])] == [None] * 4
+        assert [e["alive"] for e in pool.endpoint_stats()] == [True, False]
+        proxy.set_down(False)
+        t_end = time.monotonic() + 30  # the probe backs off to one try in 10s
+        while not pool.endpoint_stats()[1]["alive"]:
+            assert time.monotonic() < t_end, "the endpoint was not taken in within 30s"
+            time.sleep(0.2)
+        before = proxy.requests["POST /v1/completions"]
+        assert [r.error for r in lm.batch_prompt(PROMPTS)] == [None] * len(PROMPTS)
+        assert proxy.requests["POST /v1/completions"] > before  # it gets work again

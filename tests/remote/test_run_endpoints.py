@@ -1,0 +1,81 @@
+"""`batchprompt run --endpoints HOSTFILE`: the job runner on a pool (journal, resume, errors file)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .fault_proxy import FaultProxy
+
+
+def _write_input(path: Path, n: int) -> None:
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": {"messages": [{"role": "user", "content": f"Count to {i}."}],
+                                         "max_tokens": 24}}) + "\n")
+        f.write("this line is not JSON\n")
+
+
+def _run(*args: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, "-m", "batchprompt", "run", *args, "--no-progress"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _journal_rows(path: Path) -> int:
+    try:
+        with sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5) as db:
+            return db.execute("SELECT COUNT(*) FROM rows").fetchone()[0]
+    except sqlite3.Error:
+        return 0
+
+
+def test_run_on_endpoints_is_interrupted_and_resumed(two_servers, tmp_path):
+    rows = 80
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_input(inp, rows)
+    slow = FaultProxy(two_servers[1].url)
+    slow.slow_factor = 4.0  # the first run takes a while, so it can be interrupted with rows done
+    try:
+        hosts = tmp_path / "hosts"
+        hosts.write_text(f"# one slow endpoint\n{slow.url.removeprefix('http://')}\n")
+        first = _run(str(inp), "-o", str(out), "--endpoints", str(hosts), "--model", "smollm2-135m")
+        deadline = time.monotonic() + 300
+        while _journal_rows(Path(str(out) + ".journal")) < 2:  # the bad line, and some rows
+            assert first.poll() is None, first.communicate()
+            assert time.monotonic() < deadline, "no row journaled within 300s"
+            time.sleep(0.2)
+        first.send_signal(signal.SIGINT)
+        _, err1 = first.communicate(timeout=120)
+        assert first.returncode == 130, err1
+        assert "Run the same command again to resume" in err1
+    finally:
+        slow.close()
+    hosts.write_text("\n".join(s.url for s in two_servers) + "\n")
+    second = _run(str(inp), "-o", str(out), "--endpoints", str(hosts))
+    _, err2 = second.communicate(timeout=600)
+    assert second.returncode == 1, err2  # EXIT_ROWS_FAILED: the line that is not JSON
+    assert "resuming:" in err2
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert sorted(x["custom_id"] for x in lines) == sorted(f"r{i}" for i in range(rows))
+    assert all(x["response"]["body"]["choices"][0]["message"]["content"] for x in lines)
+    assert all(x["response"]["body"]["model"] == "smollm2-135m" for x in lines)
+    errors = [json.loads(x) for x in Path(str(out) + ".errors.jsonl").read_text().splitlines()]
+    assert [e["error"]["line"] for e in errors] == [rows + 1]
+
+
+def test_run_with_an_unserved_model_fails_before_any_work(two_servers, tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_input(inp, 2)
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"{two_servers[0].url}\n")
+    p = _run(str(inp), "-o", str(out), "--endpoints", str(hosts), "--model", "llama-70b")
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 2, err
+    assert "does not serve the model 'llama-70b'" in err and not out.exists()

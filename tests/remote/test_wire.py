@@ -1,0 +1,61 @@
+"""SamplingParams as a /v1/completions body (the fields our server and vLLM read), and the
+answer back."""
+from __future__ import annotations
+
+import pytest
+
+from batchprompt.engine import SamplingParams
+from batchprompt.remote import EndpointError
+from batchprompt.remote.wire import completion_body, parse_completions, structured_fields, to_output
+from batchprompt.structured import Grammar
+
+
+def test_body_carries_every_option_that_is_set():
+    p = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=20, seed=3, stop=("\n",), presence_penalty=0.5,
+                       repetition_penalty=1.1, min_p=0.05, min_tokens=2, logit_bias={5: -1.0}, logprobs=True,
+                       top_logprobs=2)
+    body = completion_body("m", [[1, 2, 3], [4]], p)
+    assert body == {"model": "m", "prompt": [[1, 2, 3], [4]], "max_tokens": 7, "temperature": 0.5, "top_p": 0.9,
+                    "top_k": 20, "seed": 3, "stop": ["\n"], "presence_penalty": 0.5, "repetition_penalty": 1.1,
+                    "min_p": 0.05, "min_tokens": 2, "logit_bias": {"5": -1.0}, "logprobs": 2,
+                    "return_tokens_as_token_ids": True}
+    assert completion_body("m", [[1]], SamplingParams()) == {"model": "m", "prompt": [[1]], "max_tokens": 16,
+                                                            "temperature": 1.0}
+
+
+@pytest.mark.parametrize("grammar, modern, guided", [
+    (Grammar.regex("[0-9]+"), {"structured_outputs": {"regex": "[0-9]+"}}, {"guided_regex": "[0-9]+"}),
+    (Grammar.choices(["yes", "no"]), {"structured_outputs": {"choice": ["yes", "no"]}}, {"guided_choice": ["yes", "no"]}),
+    (Grammar.lark('start: "a"'), {"structured_outputs": {"grammar": 'start: "a"'}}, {"guided_grammar": 'start: "a"'}),
+    (Grammar.json_object(), {"response_format": {"type": "json_object"}}, {"response_format": {"type": "json_object"}}),
+])
+def test_structured_output_fields(grammar, modern, guided):
+    assert structured_fields(grammar) == modern
+    assert structured_fields(grammar, "guided") == guided
+
+
+def test_answers_are_grouped_per_prompt_in_index_order():
+    data = {"choices": [{"index": 1, "text": "b", "finish_reason": "length"},
+                        {"index": 0, "text": "a", "finish_reason": "stop"}]}
+    per = parse_completions(data, 2, 1, "x")
+    assert [[s.text for s in p] for p in per] == [["a"], ["b"]]
+    with pytest.raises(EndpointError, match="expected 3 choices, got 2"):
+        parse_completions(data, 3, 1, "x")
+
+
+class _Tok:
+    eos_token_ids = frozenset({2})
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) for c in text]
+
+
+def test_token_ids_from_the_server_or_encoded_again():
+    given = parse_completions({"choices": [{"index": 0, "text": "hi", "finish_reason": "stop", "logprobs": {
+        "tokens": ["token_id:104", "token_id:105"], "token_logprobs": [-0.1, -0.2], "top_logprobs": None}}]}, 1, 1, "x")
+    out = to_output("r", [1], given[0], SamplingParams(logprobs=True), _Tok())
+    assert out.output_token_ids == [104, 105] and out.logprobs == [-0.1, -0.2]
+    again = parse_completions({"choices": [{"index": 0, "text": "hi", "finish_reason": "stop"}]}, 1, 1, "x")
+    assert to_output("r", [1], again[0], SamplingParams(), _Tok()).output_token_ids == [104, 105, 2]  # + EOS
+    cut = parse_completions({"choices": [{"index": 0, "text": "hi", "finish_reason": "length"}]}, 1, 1, "x")
+    assert to_output("r", [1], cut[0], SamplingParams(), _Tok()).output_token_ids == [104, 105]
