@@ -1,6 +1,6 @@
 """The batch API's overhead over the engine driven directly, in one run (issue 3).
 
-1,000 spam prompts (shared system prompt, greedy, 8 tokens, bfloat16) through
+1,000 spam prompts (shared system prompt, greedy, 8 tokens, the default dtype) through
 `LanguageModel.batch_prompt` and through `LLMEngine.generate` with the same token ids, on the
 same engine. The two alternate (engine, API, engine, API) after a warm-up; the best of each is
 compared. Prints a markdown table and writes benchmarks/results/api.json.
@@ -43,7 +43,7 @@ def main() -> None:
                                     len(texts), "prompts")
     save_results("api", dict(rows=len(texts), times=times, best=best, overhead=overhead, same_text=same))
     print(f"\nbatch_prompt overhead: {overhead:+.1%} (target <= 5%); identical texts {same}/{len(texts)} "
-          f"(bfloat16: a different admission order may flip near-ties)")
+          f"(in bfloat16 a different admission order may flip near-ties)")
     lm.destroy()
 
 

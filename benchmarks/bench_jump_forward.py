@@ -1,5 +1,5 @@
 """Jump-forward on JSON extraction, in one run: examples/extract_fields.py's workload (200 SMS
-into a pydantic model, bfloat16, greedy) on an engine with jump_forward on and one with it
+into a pydantic model, the default dtype, greedy) on an engine with jump_forward on and one with it
 off, alternating, best of --repeats. Writes benchmarks/results/jump_forward.json."""
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ on the same prompts, and the server's memory over the run.
 
 1. A `batchprompt serve` process (the embedded model) on 127.0.0.1, a fresh --data-dir.
 2. Warm-up: 64 requests. Then `--requests` spam prompts (the demo's system prompt, greedy,
-   8 tokens, bfloat16) as chat.completions requests from `--clients` concurrent `AsyncOpenAI`
+   8 tokens, the default dtype) as chat.completions requests from `--clients` concurrent `AsyncOpenAI`
    clients (each its own connection, one request at a time): errors, p50/p99 latency,
    requests/s; in two halves, the server's RSS after each.
 3. `--jobs` Batch API jobs (files.create + batches.create, `--job-rows` rows each, the same
@@ -265,7 +265,7 @@ def main() -> None:
           f"{' / '.join(f'{r:.1f}' for r in callers_rates)}) | - | - | - | {callers_rps:.1f} |")
     print(f"\nserver / in-process throughput: {server_rps / peer_rps:.2f} (target >= 0.90); server / in-process "
           f"at the same concurrency: {server_rps / callers_rps:.2f}; identical texts "
-          f"{same}/{len(texts)} (bfloat16: a different batching may flip near-ties)")
+          f"{same}/{len(texts)} (in bfloat16 a different batching may flip near-ties)")
     print("\n| server RSS | MiB |\n|---|---|")
     for point, mib in rss.items():
         print(f"| {point} | {mib:.0f} |")

@@ -1,6 +1,6 @@
 """Structured output's cost and what it buys, in one run (issue 6).
 
-The spam workload (shared system prompt, greedy, bfloat16) over the first --rows SMS:
+The spam workload (shared system prompt, greedy, the default dtype: bfloat16 where the CPU has it) over the first --rows SMS:
 - free: no constraint, max_tokens 8 (issue 2's workload); the answer's label is read off its
   text (an answer that says "spam" counts as spam, any other as ham),
 - decode: choices=["spam", "ham"] by constrained decoding (a token mask at every step),
@@ -66,7 +66,10 @@ def main() -> None:
 
     best = {k: min(v) for k, v in times.items()}
     n = len(texts)
-    print(f"{n} SMS, best of {args.repeats}, bfloat16\n")
+    from batchprompt.device import resolve_device, resolve_dtype
+
+    dtype = str(resolve_dtype("auto", resolve_device("auto"))).removeprefix("torch.")
+    print(f"{n} SMS, best of {args.repeats}, {dtype}\n")
     print("| path | time (s) | prompts/s | generated tokens | vs free | accuracy | exact labels |")
     print("|---|---|---|---|---|---|---|")
     for name in PATHS:
