@@ -12,10 +12,12 @@ options while they run, so sessions and jobs on one cluster object share the rep
 from __future__ import annotations
 
 import dataclasses
+import socket
 import threading
 from typing import Any
 
 RAY_MISSING = "Ray is not installed: pip install 'batchprompt[ray]'"
+CONNECT_TIMEOUT_S = 5.0  # a head that does not accept a connection in this time is an error
 
 
 class ClusterError(RuntimeError):
@@ -133,6 +135,7 @@ class RayCluster:
         options.setdefault("logging_level", "WARNING")
         if self.address is None:
             options.setdefault("include_dashboard", False)
+        self._check_reachable()
         try:
             ray.init(address=self.address, **options)
         except Exception as e:  # noqa: BLE001  (a wrong address, no cluster there, a version mismatch)
@@ -142,6 +145,39 @@ class RayCluster:
                                f"host:port)") from e
         self._started_ray = True
 
+    def _check_reachable(self) -> None:
+        """A head at host:port (or ray://host:port) that does not answer: an error now. (Ray's
+        own connect retries for ever, printing only its C++ log, when nothing listens there.)"""
+        address = (self.address or "").strip()
+        if not address or address in ("auto", "local"):
+            return
+        hostport = address.split("://", 1)[1] if "://" in address else address
+        host, sep, port = hostport.rstrip("/").rpartition(":")
+        if not sep or not port.isdigit():
+            raise ClusterError(f"cannot read the Ray address {address!r}: give host:port (the head's GCS port, "
+                               f"6379 by default), ray://host:port, or auto")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+        except OSError as e:
+            raise ClusterError(f"cannot reach the Ray cluster at {address}: {e.strerror or e} (is `ray start --head` "
+                               f"running there? give the head's host:port, or --address auto for the cluster "
+                               f"`ray start` runs on this machine)") from None
+
+    def _check_resources(self) -> None:
+        """Replicas that no node of the cluster can hold (more CPUs or GPUs than any node has):
+        an error now, instead of actors that wait for ever to be placed. Custom resources are
+        left to the start timeout (their nodes may join later)."""
+        import ray
+
+        need = {"CPU": float(self.replica_cpus), "GPU": float(self.replica_gpus)}
+        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        if not nodes or any(all(r.get(k, 0.0) >= v for k, v in need.items()) for r in nodes):
+            return
+        have = ", ".join(f"{r.get('CPU', 0):g} CPU / {r.get('GPU', 0):g} GPU" for r in nodes)
+        raise ClusterError(f"no node of the Ray cluster can hold a replica of {need['CPU']:g} CPU and "
+                           f"{need['GPU']:g} GPU (its nodes have: {have}); lower --replica-cpus/--replica-gpus "
+                           f"(replica_cpus=/replica_gpus=) or add nodes that have them")
+
     def _start(self, model: str | None, device: str, dtype: str, engine_options: dict, key: tuple):
         import ray
 
@@ -149,6 +185,7 @@ class RayCluster:
         from .replica import Replica
 
         self._connect()
+        self._check_resources()
         threads = self.threads or max(1, int(self.replica_cpus))
         options: dict[str, Any] = dict(num_cpus=self.replica_cpus, num_gpus=self.replica_gpus,
                                        max_restarts=self.max_restarts, max_task_retries=0,

@@ -4,6 +4,7 @@ nothing but a re-run of its rows, and Ray restarts it."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -136,6 +137,23 @@ def test_clone_and_a_second_session_share_the_replicas(lm, cluster, messages, lo
     second = bp.LanguageModel.create(system=SPAM_SYSTEM, cluster=cluster, dtype="float32", max_tokens=6)
     assert second.backend is lm.backend
     second.destroy()
+
+
+def test_replicas_no_node_can_hold_are_an_error_at_once(local_ray):
+    """More GPUs (or CPUs) per replica than any node has: a ClusterError naming what the nodes
+    have, before any actor is made. (The actors waited for a node until the start timeout, 600 s
+    by default, with only Ray's autoscaler messages.)"""
+    from batchprompt.ray.cluster import ClusterError
+
+    for options, what in ((dict(replica_gpus=1), "1 GPU"), (dict(replica_cpus=64), "64 CPU")):
+        c = bp.RayCluster(replicas=1, threads=1, start_timeout_s=600, **{"replica_cpus": 0.5, **options})
+        t0 = time.monotonic()
+        with pytest.raises(ClusterError) as e:
+            bp.LanguageModel.create(cluster=c, dtype="float32")
+        assert time.monotonic() - t0 < 60
+        assert "no node of the Ray cluster can hold a replica" in str(e.value) and what in str(e.value), e.value
+        assert "2 CPU / 0 GPU" in str(e.value), e.value
+        assert c.backends == []
 
 
 def test_replicas_that_cannot_start_give_an_error_not_a_hang(local_ray):

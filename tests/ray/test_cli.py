@@ -89,3 +89,20 @@ def test_ray_options_need_ray(job, tmp_path):
     from batchprompt.cli import main
 
     assert main(["run", job, "-o", str(tmp_path / "o.jsonl"), "--replicas", "2"]) == 2
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:1", "ray://127.0.0.1:1"])
+def test_an_address_where_no_ray_listens_is_an_error_not_a_hang(job, tmp_path, address):
+    """Nothing listens at the address: one line naming it, exit 2, at once. (ray.init retried
+    for ever, printing only Ray's C++ log.)"""
+    out = tmp_path / "o.jsonl"
+    p = batchprompt(job, "-o", str(out), "--ray", "--address", address)
+    try:
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 2, err
+    assert f"cannot reach the Ray cluster at {address}" in err and "ray start --head" in err, err
+    assert "Traceback" not in err
