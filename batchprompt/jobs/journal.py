@@ -46,8 +46,10 @@ class Journal:
         if self.get("fingerprint") not in (None, fingerprint) and not restart:
             self.db.close()
             raise JournalMismatch(
-                f"the journal {self.path} belongs to a different input or different options "
-                f"(the input file changed since the job began); run with --restart to start over")
+                f"the journal {self.path} belongs to a different input or different options (the "
+                f"input file, or an option such as --system, --max-tokens or --temperature, changed "
+                f"since the job began); run with the job's first options to resume, or --restart to "
+                f"start over")
         if restart:
             with self._writing():
                 self.db.execute("DELETE FROM rows")

@@ -33,8 +33,9 @@ def test_a_changed_input_is_refused_unless_restarted(tmp_path):
     j = Journal(path, "fp1")
     j.record(1, "a", True, {})
     j.close()
-    with pytest.raises(JournalMismatch, match="--restart"):
+    with pytest.raises(JournalMismatch, match="--restart") as e:
         Journal(path, "fp2")
+    assert "or an option such as --system" in str(e.value)  # not only "the input file changed"
     j = Journal(path, "fp2", restart=True)
     assert j.done_lines() == set()
     j.close()
