@@ -220,7 +220,8 @@ def parse_line(n: int, line: str) -> Row | RowError:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        return RowError(n, None, "invalid_json", f"line {n}: not valid JSON ({e.msg} at column {e.colno})")
+        where = "column" if e.msg.endswith(" at") else "at column"  # "Unterminated string starting at"
+        return RowError(n, None, "invalid_json", f"line {n}: not valid JSON ({e.msg} {where} {e.colno})")
     if not isinstance(obj, dict):
         return RowError(n, None, "invalid_request", f"line {n}: expected a JSON object")
     if "body" in obj or "url" in obj or "custom_id" in obj:

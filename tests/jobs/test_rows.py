@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from batchprompt.jobs.rows import (CHAT, COMPLETION, INVALID_UTF8, InputError, Row, RowError, Table, read_input,
-                                   read_jsonl)
+from batchprompt.jobs.rows import (CHAT, COMPLETION, INVALID_UTF8, InputError, Row, RowError, Table, parse_line,
+                                   read_input, read_jsonl)
 from batchprompt.jobs.run import JobOptions, row_params
 
 
@@ -171,3 +171,12 @@ def test_unknown_body_fields_are_ignored_and_counted():
     table = Table(rows, "jsonl", b"")
     assert table.unknown_fields == {"foo": 3, "bar": 1}
     assert table.notes() == ["ignored unknown body fields: bar (1 row), foo (3 rows)"]
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"custom_id": "a', "line 3: not valid JSON (Unterminated string starting at column 15)"),
+    ("{not json", "line 3: not valid JSON (Expecting property name enclosed in double quotes at column 2)"),
+])
+def test_invalid_json_names_the_column_once(line, message):
+    err = parse_line(3, line)
+    assert err.message == message
