@@ -27,7 +27,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from ..backends.base import Item, Source  # noqa: F401  (the seam's types, imported from here too)
+from ..backends.base import Item, Source, answer  # noqa: F401  (the seam's types, imported from here too)
 from ..device import prepare_engine_thread
 from ..engine import EngineStats, LLMEngine, RequestOutput, SamplingParams
 from .callbacks import CallbackThread
@@ -118,7 +118,7 @@ class EngineService:
                 return
         while source.items:
             item = source.items.popleft()
-            self._answer(item, _stopped_output(item, self.stop_reason, None))
+            answer(item, _stopped_output(item, self.stop_reason, None))
 
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run `fn` on the engine thread, between steps; its result comes back in the future
@@ -256,7 +256,7 @@ class EngineService:
             self._sources = deque(s for p in sorted(classes, reverse=True) for s in classes[p]
                                   if s.items and not s.cancelled)
         for item, out in refused:
-            self._answer(item, out)
+            answer(item, out)
 
     def _sources_by_priority(self, prioritized: bool) -> dict[int, deque[Source]]:
         """The waiting sources by priority class (all in one without priorities), each class in
@@ -301,21 +301,8 @@ class EngineService:
                 continue
             source, item = entry
             source.in_engine.pop(out.request_id, None)
-            self._answer(item, out)
+            answer(item, out)
 
-    def _answer(self, item: Item, out: RequestOutput) -> None:
-        """Hand `out` to the item's handler. A handler that raises is called once more with an
-        error output, so that its item is still answered (a caller may be waiting on it)."""
-        try:
-            item.on_done(out)
-            return
-        except Exception as e:  # noqa: BLE001
-            log.exception("a result handler failed")
-            error = f"the result could not be handled: {type(e).__name__}: {e}"
-        try:
-            item.on_done(RequestOutput(out.request_id, item.token_ids, [], "", "error", error=error))
-        except Exception:  # noqa: BLE001
-            log.exception("a result handler failed on an error output too")
 
     def _end(self, failure: str | None) -> None:
         """The loop is over (shut down, or failed): answer every item still waiting, fail the
@@ -336,12 +323,12 @@ class EngineService:
         for source, item in in_engine:
             source.in_engine.pop(item.request_id, None)
             self._discard(item.request_id)
-            self._answer(item, _stopped_output(item, self.stop_reason, item.request_id))
+            answer(item, _stopped_output(item, self.stop_reason, item.request_id))
         for source in sources:
             source.cancelled = True
             while source.items:
                 item = source.items.popleft()
-                self._answer(item, _stopped_output(item, self.stop_reason, None))
+                answer(item, _stopped_output(item, self.stop_reason, None))
         for name in sessions:  # matters where the caller owns the engine and goes on using it
             try:
                 engine.unpin(name)

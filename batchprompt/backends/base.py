@@ -22,12 +22,15 @@ and a done-callback that receives one `RequestOutput`. The contract every backen
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from ..engine import EngineStats, RequestOutput, SamplingParams
+
+log = logging.getLogger("batchprompt")
 
 #: Priority classes (higher first). Interactive HTTP requests and in-process calls run at
 #: INTERACTIVE; Batch API rows and background batches at BULK.
@@ -108,3 +111,19 @@ class Backend(Protocol):
 
     def shutdown(self) -> None:
         """Stop; every item still waiting is answered ('abort')."""
+
+
+def answer(item: Item, out: RequestOutput) -> None:
+    """Hand `out` to the item's handler. A handler that raises is called once more with an error
+    output, so that its item is still answered (a caller may be waiting on it). Every backend
+    answers its items through this."""
+    try:
+        item.on_done(out)
+        return
+    except Exception as e:  # noqa: BLE001
+        log.exception("a result handler failed")
+        error = f"the result could not be handled: {type(e).__name__}: {e}"
+    try:
+        item.on_done(RequestOutput(out.request_id, item.token_ids, [], "", "error", error=error))
+    except Exception:  # noqa: BLE001
+        log.exception("a result handler failed on an error output too")

@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from ..api.callbacks import CallbackThread
-from ..backends.base import Item, Source
+from ..backends.base import Item, Source, answer
 from ..engine import EngineStats, RequestOutput
 from .blocks import block_size, cut
 from .replica import ReplicaInfo
@@ -149,7 +149,7 @@ class RayBackend:
                 return
         while source.items:
             item = source.items.popleft()
-            self._answer(item, _stopped_output(item, self.stop_reason))
+            answer(item, _stopped_output(item, self.stop_reason))
 
     def cancel(self, source: Source, on_pending: Callable[[Item], None]) -> Future:
         fut: Future = Future()
@@ -371,7 +371,7 @@ class RayBackend:
                 t.finished += 1
                 t.failed += out.error is not None
         for item, out in zip(block.items, outputs):
-            self._answer(item, out)
+            answer(item, out)
 
     def _lost(self, slot: Slot, block: Block, error: Exception) -> None:
         """The block's replica died: re-send its items; the replica, once Ray restarts it, is
@@ -395,7 +395,7 @@ class RayBackend:
         if block.attempts >= MAX_ATTEMPTS:
             item = block.items[0]
             self.rows_rerun -= 1  # it fails instead of running again
-            self._answer(item, RequestOutput(item.request_id or "", item.token_ids, [], "", "error", error=(
+            answer(item, RequestOutput(item.request_id or "", item.token_ids, [], "", "error", error=(
                 f"the Ray replica running this prompt died {block.attempts} times (it may crash the engine); "
                 f"last: {type(error).__name__}")))
             return
@@ -440,7 +440,7 @@ class RayBackend:
 
     def _on_aborted(self, block: Block) -> None:
         for item in block.items:
-            self._answer(item, RequestOutput(item.request_id or "", item.token_ids, [], "", "abort"))
+            answer(item, RequestOutput(item.request_id or "", item.token_ids, [], "", "abort"))
 
     def _on_cancel(self, source: Source, on_pending: Callable[[Item], None], fut: Future) -> None:
         source.cancelled = True
@@ -488,18 +488,6 @@ class RayBackend:
             fut.set_result(pinned)
         threading.Thread(target=collect, name="batchprompt-ray-pin", daemon=True).start()
 
-    def _answer(self, item: Item, out: RequestOutput) -> None:
-        """As EngineService._answer: a handler that raises is called again with an error."""
-        try:
-            item.on_done(out)
-            return
-        except Exception as e:  # noqa: BLE001
-            log.exception("a result handler failed")
-            error = f"the result could not be handled: {type(e).__name__}: {e}"
-        try:
-            item.on_done(RequestOutput(out.request_id, item.token_ids, [], "", "error", error=error))
-        except Exception:  # noqa: BLE001
-            log.exception("a result handler failed on an error output too")
 
     def _end(self, failure: str | None) -> None:
         import ray
@@ -525,12 +513,12 @@ class RayBackend:
         for block in running + retry:
             for item in block.items:
                 block.source.in_engine.pop(item.request_id, None)
-                self._answer(item, _stopped_output(item, self.stop_reason))
+                answer(item, _stopped_output(item, self.stop_reason))
         for source in sources:
             source.cancelled = True
             while source.items:
                 item = source.items.popleft()
-                self._answer(item, _stopped_output(item, self.stop_reason))
+                answer(item, _stopped_output(item, self.stop_reason))
         for s in self._slots:
             try:
                 ray.kill(s.handle, no_restart=True)

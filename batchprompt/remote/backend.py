@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..api.callbacks import CallbackThread
 from ..api.result import EngineStoppedError
-from ..backends.base import Item, Source
+from ..backends.base import Item, Source, answer
 from ..engine import EngineStats, RequestOutput
 from . import wire
 from .endpoint import Endpoint, backoff
@@ -140,7 +140,7 @@ class RemoteBackend:
             items.append(source.items.popleft())
         if not self._call_soon(self._add, source, items):
             for item in items:
-                self._answer_item(item, self._stopped_output(item))
+                answer(item, self._stopped_output(item))
 
     def cancel(self, source: Source, on_pending: Callable[[Item], None]) -> Future:
         fut: Future = Future()
@@ -272,12 +272,12 @@ class RemoteBackend:
         works = []
         for item in items:
             if source.cancelled:
-                self._answer_item(item, RequestOutput("", item.token_ids, [], "", "abort"))
+                answer(item, RequestOutput("", item.token_ids, [], "", "abort"))
                 continue
             item.request_id = rid = f"{self.name}-{next(self._ids)}"
             problem = wire.unsupported(item.params) or self._too_long(item)
             if problem:
-                self._answer_item(item, RequestOutput(rid, item.token_ids, [], "", "error", error=problem))
+                answer(item, RequestOutput(rid, item.token_ids, [], "", "error", error=problem))
                 continue
             params = self._clamped(item)
             works.append(Work(item, source, params, len(item.token_ids) + params.max_tokens * params.num_samples))
@@ -581,20 +581,8 @@ class RemoteBackend:
         if out.finish_reason != "abort":
             self._stats.finished += 1
             self._stats.failed += out.error is not None
-        self._answer_item(w.item, out)
+        answer(w.item, out)
 
-    def _answer_item(self, item: Item, out: RequestOutput) -> None:
-        """Hand `out` to the item's handler; a handler that raises gets one error output."""
-        try:
-            item.on_done(out)
-            return
-        except Exception as e:  # noqa: BLE001
-            log.exception("a result handler failed")
-            error = f"the result could not be handled: {type(e).__name__}: {e}"
-        try:
-            item.on_done(RequestOutput(out.request_id, item.token_ids, [], "", "error", error=error))
-        except Exception:  # noqa: BLE001
-            log.exception("a result handler failed on an error output too")
 
     def _stopped_output(self, item: Item) -> RequestOutput:
         return RequestOutput(item.request_id or "", item.token_ids, [], "", "abort", error=self.stop_reason)
