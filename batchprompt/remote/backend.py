@@ -48,15 +48,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("batchprompt")
 
 SHUT_DOWN = "the endpoint pool was shut down (LanguageModel.close(), pool.close() or bp.shutdown())"
-#: A sub-batch holds about this share of the remaining work of its endpoint: with two requests
-#: in flight an endpoint starts with its whole share (servers batch best with much at once),
-#: later ones are smaller, and hedging (below) keeps a slow endpoint from holding the end.
-ROUNDS = 2
 #: Tail hedging: once nothing is queued, an idle endpoint re-sends a sub-batch that has been in
 #: flight elsewhere for HEDGE_AFTER times the usual request time; the first answer wins and the
 #: other request is cancelled (its connection closed: the server aborts it), so a slow endpoint
 #: never holds the end of a batch.
-HEDGE_AFTER = 1.5
+HEDGE_AFTER = 1.25
 PROBE_MIN_S, PROBE_MAX_S = 0.5, 10.0
 
 
@@ -375,14 +371,20 @@ class RemoteBackend:
 
     def _budget(self, e: Endpoint) -> int:
         """Tokens for `e`'s next sub-batch: its share (by measured speed, else weight) of the
-        queued work over ROUNDS, from min_batch_tokens (fewer, fuller requests) to batch_tokens."""
+        work not yet answered (queued and in flight), over the requests it may have in flight,
+        from min_batch_tokens (fewer, fuller requests) to batch_tokens. At the start each endpoint
+        so gets its whole share at once, in requests that its server batches together (a second
+        round of smaller requests would cost every server a second pass of decoding steps); a
+        slow endpoint's share is then re-sent elsewhere once it is late (hedging)."""
         alive = [x for x in self.endpoints if x.alive]
         rates = [x.rate for x in alive]
         if all(r is not None for r in rates) and rates:
             share = (e.rate or 0.0) / sum(rates)  # type: ignore[arg-type]
         else:
             share = e.weight / sum(x.weight for x in alive)
-        return min(self.pool.batch_tokens, max(self.pool.min_batch_tokens, int(self.queue.queued_tokens * share / ROUNDS)))
+        remaining = self.queue.queued_tokens + sum(x.outstanding_tokens for x in alive)
+        slots = max(1, int(e.limit))
+        return min(self.pool.batch_tokens, max(self.pool.min_batch_tokens, int(remaining * share / slots)))
 
     def _launch(self, sb: SubBatch, e: Endpoint) -> None:
         sb.endpoint, sb.started = e, time.monotonic()

@@ -46,6 +46,22 @@ def test_streaming_callbacks_progress_and_order(two_servers, reference):
         assert batch.progress.done == len(PROMPTS) and batch.progress.failed == 0
 
 
+def test_equal_endpoints_get_their_whole_share_in_the_first_requests(two_servers):
+    """Work within the budget, equal endpoints: each gets its share at once, in as many requests
+    as it may have in flight (initial_in_flight), which its server batches together. A second
+    round of smaller requests after the first ones end would cost each server a second pass of
+    decoding steps (the pool was 10-20% slower than one list request per endpoint)."""
+    prompts = [f"Item {i}: say yes." for i in range(10, 34)]  # 24 prompts of equal length
+    with pool_of([s.url for s in two_servers], min_batch_tokens=16, initial_in_flight=2) as pool:
+        backend = pool.as_backend()
+        lm = bp.LanguageModel.create(model=pool, max_tokens=4)
+        assert len({len(backend.tokenizer.encode_prompt(p)) for p in prompts}) == 1
+        assert [r.error for r in lm.batch_prompt(prompts)] == [None] * len(prompts)
+        stats = pool.endpoint_stats()
+        first_round = sum(e["requests"] for e in stats) - backend.hedges  # a hedge re-sends a late one
+        assert first_round == 4, stats
+
+
 def test_cancel_answers_every_prompt(two_servers):
     with pool_of([s.url for s in two_servers], batch_tokens=64) as pool:
         lm = bp.LanguageModel.create(model=pool, max_tokens=64)
