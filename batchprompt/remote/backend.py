@@ -371,11 +371,12 @@ class RemoteBackend:
 
     def _budget(self, e: Endpoint) -> int:
         """Tokens for `e`'s next sub-batch: its share (by measured speed, else weight) of the
-        work not yet answered (queued and in flight), over the requests it may have in flight,
-        from min_batch_tokens (fewer, fuller requests) to batch_tokens. At the start each endpoint
-        so gets its whole share at once, in requests that its server batches together (a second
-        round of smaller requests would cost every server a second pass of decoding steps); a
-        slow endpoint's share is then re-sent elsewhere once it is late (hedging)."""
+        work not yet answered (queued and in flight), less what it holds already, over the
+        requests it may still send, from min_batch_tokens (fewer, fuller requests) to
+        batch_tokens. At the start each endpoint so gets its whole share at once, in requests
+        that its server batches together (a second round of smaller requests would cost every
+        server a second pass of decoding steps); a slow endpoint's share is then re-sent
+        elsewhere once it is late (hedging)."""
         alive = [x for x in self.endpoints if x.alive]
         rates = [x.rate for x in alive]
         if all(r is not None for r in rates) and rates:
@@ -383,8 +384,9 @@ class RemoteBackend:
         else:
             share = e.weight / sum(x.weight for x in alive)
         remaining = self.queue.queued_tokens + sum(x.outstanding_tokens for x in alive)
-        slots = max(1, int(e.limit))
-        return min(self.pool.batch_tokens, max(self.pool.min_batch_tokens, int(remaining * share / slots)))
+        free_slots = max(1, int(e.limit) - e.in_flight)
+        rest_of_share = remaining * share - e.outstanding_tokens
+        return min(self.pool.batch_tokens, max(self.pool.min_batch_tokens, int(rest_of_share / free_slots)))
 
     def _launch(self, sb: SubBatch, e: Endpoint) -> None:
         sb.endpoint, sb.started = e, time.monotonic()
