@@ -8,12 +8,13 @@ on the same prompts, and the server's memory over the run.
    requests/s; in two halves, the server's RSS after each.
 3. `--jobs` Batch API jobs (files.create + batches.create, `--job-rows` rows each, the same
    body), one after another, each waited for; the RSS after each.
-4. The same prompts through `LanguageModel.batch_prompt` in a fresh process (after a
-   64-prompt warm-up), before the server starts and after it stopped (nothing else of this
-   benchmark runs then): prompts/s, the mean of the two against the server's (on a shared
-   machine the load drifts; both runs are reported). The same child also sends the prompts one
+4. The same prompts through `LanguageModel.batch_prompt` in a fresh process (after the
+   server's 64-prompt warm-up), before the server starts and after it stopped (nothing else of
+   this benchmark runs then): prompts/s, the mean of the two against the server's (on a shared
+   machine the load drifts; both runs are reported). Another fresh process sends the prompts one
    at a time from `--clients` concurrent asyncio callers: the server's concurrency without HTTP,
-   which tells the cost of the server from the cost of fewer prompts in flight.
+   which tells the cost of the server from the cost of fewer prompts in flight (a process of its
+   own, so that its prompts are not in the prefix cache already).
 
 Prints markdown tables and writes benchmarks/results/server.json.
 """
@@ -158,18 +159,26 @@ def run_jobs(url: str, texts: list[str], jobs: int, proc: subprocess.Popen) -> l
     return done
 
 
-def in_process(n: int, clients: int) -> None:
-    """Child process: the same prompts through batch_prompt, and one at a time from `clients`
-    concurrent asyncio callers (the server's concurrency without HTTP); prints one JSON line."""
+def in_process(n: int, clients: int, mode: str) -> None:
+    """Child process, on a fresh engine: the prompts through batch_prompt (`mode` "batch"), or
+    one at a time from `clients` concurrent asyncio callers ("callers": the server's concurrency
+    without HTTP, which tells the cost of the server from the cost of fewer prompts in flight).
+    One mode per process, so that neither finds the other's prompts in the prefix cache. Prints
+    one JSON line."""
     import batchprompt as bp
 
-    texts = [t for _, t in read_sms(limit=n)]
+    texts = [t for _, t in read_sms(limit=n + WARM_UP)]
+    warm, texts = texts[n:], texts[:n]
     lm = bp.LanguageModel.create(system=SPAM_SYSTEM, max_tokens=MAX_TOKENS, temperature=0.0)
-    lm.batch_prompt(texts[:WARM_UP])
-    t0 = time.perf_counter()
-    results = lm.batch_prompt(texts)
-    seconds = time.perf_counter() - t0
-    errors = sum(r.error is not None for r in results)
+    lm.batch_prompt(warm or texts[:WARM_UP])  # the server's warm-up: prompts after the measured ones
+    if mode == "batch":
+        t0 = time.perf_counter()
+        results = lm.batch_prompt(texts)
+        seconds = time.perf_counter() - t0
+        print(json.dumps({"seconds": seconds, "errors": sum(r.error is not None for r in results),
+                          "texts": [r.text for r in results]}))
+        lm.destroy()
+        return
 
     async def callers() -> int:
         queue = list(reversed(texts))
@@ -186,21 +195,24 @@ def in_process(n: int, clients: int) -> None:
         return failed
 
     t0 = time.perf_counter()
-    errors += asyncio.run(callers())
-    concurrent_seconds = time.perf_counter() - t0
-    print(json.dumps({"seconds": seconds, "concurrent_seconds": concurrent_seconds, "errors": errors,
-                      "texts": [r.text for r in results]}))
+    errors = asyncio.run(callers())
+    print(json.dumps({"seconds": time.perf_counter() - t0, "errors": errors}))
     lm.destroy()
 
 
 def run_peer(n: int, clients: int) -> dict:
-    """in_process(n, clients) in a fresh process: its seconds, errors and texts."""
-    child = subprocess.run([sys.executable, __file__, "--in-process", str(n), "--clients", str(clients)],
-                           capture_output=True, text=True,
-                           cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=3600)
-    if child.returncode != 0:
-        raise RuntimeError(f"the in-process run failed:\n{child.stderr[-4000:]}")
-    return json.loads(child.stdout.strip().splitlines()[-1])
+    """in_process(n, clients, mode) for both modes, each in a fresh process: batch_prompt's
+    seconds, errors and texts, and the concurrent callers' seconds."""
+    out = {}
+    for mode in ("batch", "callers"):
+        child = subprocess.run([sys.executable, __file__, "--in-process", str(n), "--in-process-mode", mode,
+                                "--clients", str(clients)], capture_output=True, text=True,
+                               cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=3600)
+        if child.returncode != 0:
+            raise RuntimeError(f"the in-process run ({mode}) failed:\n{child.stderr[-4000:]}")
+        out[mode] = json.loads(child.stdout.strip().splitlines()[-1])
+    return {"seconds": out["batch"]["seconds"], "errors": out["batch"]["errors"] + out["callers"]["errors"],
+            "texts": out["batch"]["texts"], "concurrent_seconds": out["callers"]["seconds"]}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -214,9 +226,10 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=3, help="Batch API jobs after the requests (default 3)")
     ap.add_argument("--job-rows", type=int, default=200, help="rows per Batch API job (default 200)")
     ap.add_argument("--in-process", type=int, default=None, help=argparse.SUPPRESS)  # the child's mode
+    ap.add_argument("--in-process-mode", choices=("batch", "callers"), default="batch", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.in_process is not None:
-        in_process(args.in_process, args.clients)
+        in_process(args.in_process, args.clients, args.in_process_mode)
         return
 
     texts = [t for _, t in read_sms(limit=args.requests + WARM_UP)]
