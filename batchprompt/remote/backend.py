@@ -553,7 +553,13 @@ class RemoteBackend:
 
     def _mark_dead(self, e: Endpoint, reason: str) -> None:
         if e.alive:
-            log.warning("endpoint %s is down (%s): its work goes to the others until it answers again", e.url, reason)
+            if any(x.alive for x in self.endpoints if x is not e):
+                log.warning("endpoint %s is down (%s): its work goes to the others until it answers again",
+                            e.url, reason)
+            else:
+                log.warning("endpoint %s is down (%s), and no endpoint of the pool is left: the work waits up to "
+                            "%gs for one to answer again, then fails (EndpointPool(give_up_after=...), "
+                            "batchprompt run --give-up-after)", e.url, reason, self.pool.give_up_after)
         e.mark_dead(reason)
         self.router.forget(e)
         if e.index not in self._probes or self._probes[e.index].done():

@@ -45,12 +45,13 @@ class EndpointPool(SwarmMethods):
     max_model_len: the context length, where neither the endpoints (vLLM's max_model_len) nor the
         tokenizer's model config says it.
     batch_tokens / batch_prompts: the most a sub-batch holds (prompt + max_tokens per prompt; prompts);
-        min_batch_tokens: the least it holds while work remains (sub-batches shrink as the work
-        runs out: each is about a quarter of its endpoint's share of what is left).
+        min_batch_tokens: the least it holds while work remains (a sub-batch holds the rest of its
+        endpoint's share of the work not yet answered, over the requests it may still send).
     max_in_flight: requests at once per endpoint, at most (the adaptive limit starts at
         initial_in_flight, grows on success, halves on 429/503).
     max_retries: failed tries a prompt gets before it fails with the last error.
-    give_up_after: seconds work waits while no endpoint is alive, before it fails.
+    give_up_after: seconds work waits while no endpoint is alive (each is probed meanwhile, and
+        taken back when it answers), before it fails with an error naming each endpoint's fault.
     structured: how structured output is sent: "structured_outputs" (vLLM >= 0.10, ours) or
         "guided" (guided_choice/guided_regex/guided_json/guided_grammar, older vLLM).
     """

@@ -152,3 +152,23 @@ def test_an_endpoint_down_at_start_is_taken_in_when_it_answers(two_servers, prox
         before = proxy.requests["POST /v1/completions"]
         assert [r.error for r in lm.batch_prompt(PROMPTS)] == [None] * len(PROMPTS)
         assert proxy.requests["POST /v1/completions"] > before  # it gets work again
+
+
+def test_every_endpoint_down_mid_run_says_so_and_ends_within_give_up_after(two_servers, proxy, caplog):
+    """The only endpoint dies mid-batch: one warning says that no endpoint is left and how long
+    the work waits (the old message promised 'the others'), and every prompt ends with an error
+    within give_up_after, not a wait without end."""
+    import logging
+
+    with pool_of([proxy.url], give_up_after=3, max_retries=10) as pool:
+        lm = bp.LanguageModel.create(model=pool, max_tokens=4)
+        assert lm.prompt("Say yes.")  # the endpoint answers
+        proxy.set_down(True)
+        with caplog.at_level(logging.WARNING, logger="batchprompt"):
+            t0 = time.monotonic()
+            results = lm.batch_prompt(PROMPTS)
+            took = time.monotonic() - t0
+        assert took < 60
+        assert all(r.error and "no endpoint of the pool answered for 3s" in r.error for r in results), results[0]
+        assert any("no endpoint of the pool is left" in m and "3s" in m for m in caplog.messages), caplog.messages
+        assert not any("goes to the others" in m for m in caplog.messages)

@@ -79,3 +79,13 @@ def test_run_with_an_unserved_model_fails_before_any_work(two_servers, tmp_path)
     _, err = p.communicate(timeout=300)
     assert p.returncode == 2, err
     assert "does not serve the model 'llama-70b'" in err and not out.exists()
+
+
+def test_give_up_after_needs_endpoints(tmp_path):
+    """--give-up-after is the pool's: without --endpoints it is a bad option, named before any work."""
+    _write_input(tmp_path / "in.jsonl", 2)
+    p = _run(str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--give-up-after", "5")
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 2, err
+    assert "--give-up-after needs --endpoints" in err
+    assert not (tmp_path / "out.jsonl").exists()
