@@ -122,7 +122,7 @@ def add_endpoint_arguments(g) -> None:
                         "the one they serve)")
     g.add_argument("--api-key", default=None, metavar="KEY",
                    help="the servers' API key (default: $BATCHPROMPT_API_KEY, then $OPENAI_API_KEY, if set)")
-    g.add_argument("--give-up-after", type=float, default=120.0, metavar="SECONDS",
+    g.add_argument("--give-up-after", type=float, default=None, metavar="SECONDS",
                    help="while no endpoint answers, rows wait this long for one to come back, then fail "
                         "with the endpoints' faults in the errors file (default 120)")
 
@@ -132,15 +132,16 @@ def _endpoint_pool(args: argparse.Namespace):
     if args.endpoints is None:
         if args.api_key is not None:
             raise ValueError("--api-key needs --endpoints")
-        if args.give_up_after != 120.0:
+        if args.give_up_after is not None:
             raise ValueError("--give-up-after needs --endpoints")
         return None
     from .remote import EndpointPool, PoolError
 
     key = args.api_key or os.environ.get("BATCHPROMPT_API_KEY") or os.environ.get("OPENAI_API_KEY") or None
     try:
+        options = {} if args.give_up_after is None else {"give_up_after": args.give_up_after}
         return EndpointPool(args.endpoints, model=args.model, api_key=key, max_model_len=args.max_model_len,
-                            give_up_after=args.give_up_after)
+                            **options)
     except PoolError as e:
         raise ValueError(f"--endpoints {args.endpoints}: {e}") from None
 

@@ -303,7 +303,6 @@ class EngineService:
             source.in_engine.pop(out.request_id, None)
             answer(item, out)
 
-
     def _end(self, failure: str | None) -> None:
         """The loop is over (shut down, or failed): answer every item still waiting, fail the
         commands, release the sessions' prefixes, and let go of the engine."""

@@ -488,7 +488,6 @@ class RayBackend:
             fut.set_result(pinned)
         threading.Thread(target=collect, name="batchprompt-ray-pin", daemon=True).start()
 
-
     def _end(self, failure: str | None) -> None:
         import ray
 

@@ -593,7 +593,6 @@ class RemoteBackend:
             self._stats.failed += out.error is not None
         answer(w.item, out)
 
-
     def _stopped_output(self, item: Item) -> RequestOutput:
         return RequestOutput(item.request_id or "", item.token_ids, [], "", "abort", error=self.stop_reason)
 
