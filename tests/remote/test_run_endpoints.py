@@ -41,7 +41,10 @@ def test_run_on_endpoints_is_interrupted_and_resumed(two_servers, tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_input(inp, rows)
     slow = FaultProxy(two_servers[1].url)
-    slow.slow_factor = 4.0  # the first run takes a while, so it can be interrupted with rows done
+    # The first run is interrupted with rows done and rows in flight: the endpoint gets its whole
+    # share at once, in two requests (initial_in_flight); the first is answered, the second held.
+    slow.plan("delay:0")
+    slow.plan("delay:600")
     try:
         hosts = tmp_path / "hosts"
         hosts.write_text(f"# one slow endpoint\n{slow.url.removeprefix('http://')}\n")
