@@ -11,11 +11,14 @@
 // written in the query's dtype.
 //
 // With AVX-512 and a head size that is a multiple of 16 the inner loops are vector
-// intrinsics with the head held in registers; otherwise a plain loop computes the same thing.
+// intrinsics with the head held in registers. Elsewhere (AVX2, ARM, other head sizes) the same
+// steps are loops written for the compiler's vectorizer (`omp simd`), exp included.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstring>
+#include <algorithm>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -47,9 +50,6 @@ inline void for_each_key(const Problem& P, const int64_t* table, int64_t len, Fn
   }
 }
 
-// Softmax of s[0..len) in place; returns 1 / the sum of the exponentials.
-inline float softmax_unnormalized(float* s, int64_t len);
-
 #if defined(__AVX512F__)
 // r[i] = the sum of the lanes of a[i], for sixteen vectors at once.
 inline __m512 sum16x16(__m512* a) {
@@ -64,6 +64,7 @@ inline __m512 sum16x16(__m512* a) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
 }
 
+// Softmax of s[0..len) in place; returns 1 / the sum of the exponentials.
 inline float softmax_unnormalized(float* s, int64_t len) {
   __m512 m16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t t = 0;
@@ -211,39 +212,104 @@ void attend_vec(const Problem& P, const scalar_t* q, const scalar_t* kc, const s
       weighted_values<scalar_t, NV, HC>(P, vc, offs, len, scores, inv, h0,
                                         static_cast<int>(std::min<int64_t>(HC, (g + 1) * group - h0)), g, o);
 }
-#else
-inline float softmax_unnormalized(float* s, int64_t len) {
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
-  float sum = 0.f;
-  for (int64_t t = 0; t < len; ++t) sum += (s[t] = std::exp(s[t] - m));
-  return 1.f / sum;
-}
 #endif
 
-// One request, any head size.
+// float32 <-> the storage type, one value at a time (loops of these vectorize).
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(at::Half x) { return static_cast<float>(x); }
+
+// The n values at p as float32: p itself for float32, else converted into buf.
+inline const float* as_float(const float* p, float*, int64_t) { return p; }
+template <typename T>
+inline const float* as_float(const T* p, float* buf, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) buf[d] = to_float(p[d]);
+  return buf;
+}
+
+// exp(x) as exp16 computes it (2^n * a degree-6 polynomial of the rest; x clamped to
+// [-87, 88]), written so that `omp simd` loops of it vectorize on any instruction set.
+inline float exp_poly(float x) {
+  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+  const float t = x * 1.44269504088896341f;
+  const float n = std::floor(t + 0.5f);
+  const float f = (t - n) * 0.6931471805599453f;
+  float p = 1.f / 720;
+  p = p * f + 1.f / 120;
+  p = p * f + 1.f / 24;
+  p = p * f + 1.f / 6;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+// Softmax of s[0..len) in place, unnormalized; returns 1 / the sum of the exponentials.
+inline float softmax_simd(float* s, int64_t len) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < len; ++t) {
+    const float e = exp_poly(s[t] - m);
+    s[t] = e;
+    sum += e;
+  }
+  return 1.f / sum;
+}
+
+// One request, any head size and instruction set (AVX2, NEON, ...): the loops over the head
+// are written for the compiler's vectorizer (`omp simd`). Each key and value row is read and
+// converted to float32 once for all the query heads of its KV head.
 template <typename scalar_t>
-void attend_scalar(const Problem& P, const scalar_t* q, const scalar_t* kc, const scalar_t* vc,
-                   int64_t b, float* scores, scalar_t* out) {
-  const int64_t len = P.lens[b], group = P.heads / P.kv_heads, dim = P.dim;
+void attend_portable(const Problem& P, const scalar_t* q, const scalar_t* kc, const scalar_t* vc,
+                     int64_t b, float* work, int64_t* offs, scalar_t* out) {
+  const int64_t len = P.lens[b], group = P.heads / P.kv_heads, D = P.dim;
   const int64_t* table = P.tables + b * P.table_stride;
-  std::vector<float> qf(dim), acc(dim);
+  for_each_key(P, table, len, [&](int64_t t, int64_t slot) { offs[t] = slot * P.slot_stride; });
+  float* qf = work;                    // [heads][D]: the query, scaled, in float32
+  float* scores = qf + P.heads * D;    // [heads][len]
+  float* acc = scores + P.heads * len; // [group][D]
+  float* row = acc + group * D;        // [D]: one key or value row in float32
   for (int64_t h = 0; h < P.heads; ++h) {
-    const int64_t kv_off = (h / group) * dim;
-    for (int64_t d = 0; d < dim; ++d) qf[d] = static_cast<float>(q[b * P.q_sb + h * P.q_sh + d]) * P.scale;
-    for_each_key(P, table, len, [&](int64_t t, int64_t slot) {
-      const scalar_t* k = kc + slot * P.slot_stride + kv_off;
-      float s = 0.f;
-      for (int64_t d = 0; d < dim; ++d) s += qf[d] * static_cast<float>(k[d]);
-      scores[t] = s;
-    });
-    const float inv = softmax_unnormalized(scores, len);
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for_each_key(P, table, len, [&](int64_t t, int64_t slot) {
-      const scalar_t* v = vc + slot * P.slot_stride + kv_off;
-      for (int64_t d = 0; d < dim; ++d) acc[d] += scores[t] * static_cast<float>(v[d]);
-    });
-    for (int64_t d = 0; d < dim; ++d) out[(b * P.heads + h) * dim + d] = static_cast<scalar_t>(acc[d] * inv);
+    const scalar_t* qh = q + b * P.q_sb + h * P.q_sh;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) qf[h * D + d] = to_float(qh[d]) * P.scale;
+  }
+  for (int64_t g = 0; g < P.kv_heads; ++g) {
+    for (int64_t t = 0; t < len; ++t) {
+      const float* k = as_float(kc + offs[t] + g * D, row, D);
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        const float* qv = qf + h * D;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < D; ++d) s += qv[d] * k[d];
+        scores[h * len + t] = s;
+      }
+    }
+  }
+  for (int64_t g = 0; g < P.kv_heads; ++g) {
+    float inv[1024];
+    for (int64_t c = 0; c < group; ++c) inv[c] = softmax_simd(scores + (g * group + c) * len, len);
+    std::fill(acc, acc + group * D, 0.f);
+    for (int64_t t = 0; t < len; ++t) {
+      const float* v = as_float(vc + offs[t] + g * D, row, D);
+      for (int64_t c = 0; c < group; ++c) {
+        const float p = scores[(g * group + c) * len + t];
+        float* a = acc + c * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+      }
+    }
+    for (int64_t c = 0; c < group; ++c) {
+      scalar_t* o = out + (b * P.heads + g * group + c) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[c * D + d] * inv[c]);
+    }
   }
 }
 
@@ -255,7 +321,9 @@ void decode_attention_impl(const Problem& P, const torch::Tensor& q, const torch
   const scalar_t* vp = v_cache.data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   at::parallel_for(0, P.batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> work(16 * P.slot_stride + P.heads * P.max_len);
+    // attend_vec: [16][slot_stride] rows and [heads][len] scores; attend_portable: the query,
+    // the scores, [group][D] sums and one row.
+    std::vector<float> work(16 * P.slot_stride + P.heads * P.max_len + (P.heads + P.heads + 1) * P.dim);
     std::vector<int64_t> offs(P.max_len);
     for (int64_t b = begin; b < end; ++b) {
 #if defined(__AVX512F__)
@@ -270,7 +338,7 @@ void decode_attention_impl(const Problem& P, const torch::Tensor& q, const torch
         default: break;  // other head sizes: the plain loop
       }
 #endif
-      attend_scalar<scalar_t>(P, qp, kp, vp, b, work.data(), op);
+      attend_portable<scalar_t>(P, qp, kp, vp, b, work.data(), offs.data(), op);
     }
   });
 }
