@@ -228,26 +228,6 @@ inline const float* as_float(const T* p, float* buf, int64_t n) {
   return buf;
 }
 
-// exp(x) as exp16 computes it (2^n * a degree-6 polynomial of the rest; x clamped to
-// [-87, 88]), written so that `omp simd` loops of it vectorize on any instruction set.
-inline float exp_poly(float x) {
-  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-  const float t = x * 1.44269504088896341f;
-  const float n = std::floor(t + 0.5f);
-  const float f = (t - n) * 0.6931471805599453f;
-  float p = 1.f / 720;
-  p = p * f + 1.f / 120;
-  p = p * f + 1.f / 24;
-  p = p * f + 1.f / 6;
-  p = p * f + 0.5f;
-  p = p * f + 1.f;
-  p = p * f + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
-
 // Softmax of s[0..len) in place, unnormalized; returns 1 / the sum of the exponentials.
 inline float softmax_simd(float* s, int64_t len) {
   float m = -std::numeric_limits<float>::infinity();
@@ -256,7 +236,7 @@ inline float softmax_simd(float* s, int64_t len) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t t = 0; t < len; ++t) {
-    const float e = exp_poly(s[t] - m);
+    const float e = bp::exp_poly(s[t] - m);
     s[t] = e;
     sum += e;
   }
