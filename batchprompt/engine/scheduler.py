@@ -21,9 +21,10 @@ completion requests at 0, Batch API rows and background batches at -1). Its rank
   seconds after (a client's next request is likely to come), requests below the highest
   priority take only as many tokens a step as keep the step within
   `EngineConfig.priority_slowdown` times the time the higher ones would take alone, from the
-  measured step times (step_cost.py; before the first fit, an eighth of the token budget).
-  On a GPU that limit is rarely reached; on a CPU it is what keeps a chat request fast beside
-  a batch, at the batch's expense while chat requests run.
+  measured step times of each size (step_cost.py: a size never measured, or not for a
+  minute, is measured by one step of the higher-priority tokens alone; before any step, an
+  eighth of the token budget). On a GPU that limit is rarely reached; on a CPU it is what
+  keeps a chat request fast beside a batch, at the batch's expense while chat requests run.
 - No starvation: a class that has requests in the engine but got no token for
   `max_starved_steps` steps in a row while a higher class did has its oldest request
   promoted: it ranks above every class (admitted first, preempted last, never limited) until
@@ -197,10 +198,12 @@ class Scheduler:
             return None, None
         high = sum(min(r.num_tokens - r.num_computed_tokens, self.limits.max_num_batched_tokens)
                    for r in self.running if not _below(r, self._top))
-        extra = self.cost.extra_tokens(self.slowdown, max(high, 1))
+        # With higher-priority tokens to run, a step may run them alone to measure their cost
+        # (extra 0, once a minute per size class); with none (the hold after them), never.
+        extra = self.cost.extra_tokens(self.slowdown, max(high, 1), measure=high > 0)
         if extra is None:
             extra = self.limits.max_num_batched_tokens // 8
-        return self._top, max(extra, 1)
+        return self._top, extra if high > 0 else max(extra, 1)
 
     def _count_starved(self, present: set[int], served: set[int]) -> None:
         """Count the steps each class went without a token while a higher one got some; promote

@@ -149,16 +149,76 @@ def test_lower_priorities_take_few_tokens_beside_a_high_one_and_for_a_while_afte
 
 def test_step_cost_fits_the_fixed_and_per_token_parts():
     cost = StepCost()
-    assert cost.extra_tokens(2.0, 1) is None  # no fit yet
+    assert cost.extra_tokens(2.0, 1, measure=False) is None  # no step yet
+    assert cost.extra_tokens(2.0, 1) == 0  # measure: run the tokens alone first
     for n in (500, 500, 500):
         cost.observe(n, 0.02 + 0.0005 * n)
-    assert cost.extra_tokens(2.0, 1) is None  # steps of one size: no fit
+    assert cost.per_token_s is None  # steps of one size: no line
     for n in (1, 40, 2048, 1, 300, 7):
         cost.observe(n, 0.02 + 0.0005 * n)
     assert cost.fixed_s == pytest.approx(0.02, rel=1e-6)
     assert cost.per_token_s == pytest.approx(0.0005, rel=1e-6)
     assert cost.extra_tokens(2.0, 1) == 41  # 20 ms + 0.5 ms: 41 more tokens double it
     assert cost.extra_tokens(1.5, 40) == 40
+    assert cost.extra_tokens(2.0, 4000) == 4040  # past the largest step: the line's slope
+
+
+# Step times measured on a 2-core CPU (float32): far from a line at few tokens.
+CPU_STEPS = {1: 0.030, 4: 0.039, 16: 0.061, 64: 0.167, 128: 0.283, 600: 1.0, 2048: 3.0}
+
+
+def test_step_cost_follows_a_curve_that_is_no_line():
+    cost = StepCost()
+    for _ in range(3):
+        for n, t in CPU_STEPS.items():
+            cost.observe(n, t)
+    assert cost.seconds(1) == pytest.approx(0.030)
+    assert cost.seconds(64) == pytest.approx(0.167)
+    extra = cost.extra_tokens(2.0, 1)
+    # twice a one-token step is 60 ms: about a 16-token step, not the 40-odd tokens that the
+    # line through all steps (about 50 ms + 1.4 ms a token) allows
+    assert 10 <= extra <= 16
+    line = int((cost.fixed_s + cost.per_token_s) / cost.per_token_s)  # what the line alone allows
+    assert line > 40 and cost.seconds(1 + line) > 3.5 * cost.seconds(1)  # a step 3.5x the chat's
+
+
+def test_a_step_size_never_measured_or_long_ago_is_measured_alone():
+    now = [0.0]
+    cost = StepCost(clock=lambda: now[0])
+    for n in (64, 2048, 64, 2048):
+        cost.observe(n, CPU_STEPS[n])
+    assert cost.needs_measuring(1) and cost.extra_tokens(2.0, 1) == 0
+    assert cost.extra_tokens(2.0, 1, measure=False) > 0  # estimated below the smallest size
+    cost.observe(1, CPU_STEPS[1])  # the step of the chat's token alone
+    assert not cost.needs_measuring(1) and cost.extra_tokens(2.0, 1) > 0
+    now[0] += cost.stale_s + 1
+    assert cost.extra_tokens(2.0, 1) == 0  # a minute later: measured again
+    assert cost.extra_tokens(2.0, 64, measure=False) > 0
+
+
+def test_a_scheduler_measures_a_chat_token_alone_once_then_adds_batch_tokens():
+    sched = scheduler(budget=256, max_seqs=64, priority_slowdown=2.0)
+    for n in (64, 256, 64, 256):
+        sched.cost.observe(n, CPU_STEPS[64] if n == 64 else 0.4)
+    for i in range(20):
+        sched.add(req(f"bulk{i}", [i + 1] * 30, 20, BULK))
+    step(sched)
+    chat = req("chat", [80] * 5, 6, INTERACTIVE)
+    sched.add(chat)
+    sizes = []
+    while not chat.is_finished:
+        out = sched.schedule()
+        ids = [c.request_id for c in out.chunks]
+        sizes.append((len(ids) - ("chat" in ids), "chat" in ids))
+        sched.cost.observe(out.num_tokens, CPU_STEPS[1] if ids == ["chat"] else 0.06)
+        for r in sched.advance(out):
+            r.append_token(fake_next_token(r.token_ids), None)
+            if r is chat and len(r.output_token_ids) == 6:
+                sched.finish(r)
+                r.finish("length")
+    decode = sizes[1:]  # after the step that admitted it, the chat decodes one token a step
+    assert decode[0] == (0, True)  # its first decode step runs alone: a one-token step is measured
+    assert all(bulk > 0 for bulk, _ in decode[1:])  # then the batch rides along again
 
 
 # ---- the engine on the tiny model: priorities change the order, never the tokens ----------------
