@@ -11,16 +11,9 @@
 
 namespace {
 
-// float32 <-> the storage dtype. bfloat16 goes through bit operations the compiler vectorizes
-// (round to nearest even, as PyTorch does).
-inline float to_f(float x) { return x; }
-inline float to_f(at::BFloat16 x) {
-  uint32_t u = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline float to_f(at::Half x) { return static_cast<float>(x); }
+// The storage dtype <- float32 (bp::to_f, in vec.h, is the other way). bfloat16 goes through
+// bit operations the compiler vectorizes (round to nearest even, as PyTorch does).
+using bp::to_f;
 
 template <typename T> inline T from_f(float f);
 template <> inline float from_f<float>(float f) { return f; }

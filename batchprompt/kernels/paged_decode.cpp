@@ -16,9 +16,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <cmath>
-#include <cstring>
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -214,17 +213,12 @@ void attend_vec(const Problem& P, const scalar_t* q, const scalar_t* kc, const s
 }
 #endif
 
-// float32 <-> the storage type, one value at a time (loops of these vectorize).
-inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
-inline float to_float(at::Half x) { return static_cast<float>(x); }
-
 // The n values at p as float32: p itself for float32, else converted into buf.
 inline const float* as_float(const float* p, float*, int64_t) { return p; }
 template <typename T>
 inline const float* as_float(const T* p, float* buf, int64_t n) {
 #pragma omp simd
-  for (int64_t d = 0; d < n; ++d) buf[d] = to_float(p[d]);
+  for (int64_t d = 0; d < n; ++d) buf[d] = bp::to_f(p[d]);
   return buf;
 }
 
@@ -259,7 +253,7 @@ void attend_portable(const Problem& P, const scalar_t* q, const scalar_t* kc, co
   for (int64_t h = 0; h < P.heads; ++h) {
     const scalar_t* qh = q + b * P.q_sb + h * P.q_sh;
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) qf[h * D + d] = to_float(qh[d]) * P.scale;
+    for (int64_t d = 0; d < D; ++d) qf[h * D + d] = bp::to_f(qh[d]) * P.scale;
   }
   for (int64_t g = 0; g < P.kv_heads; ++g) {
     for (int64_t t = 0; t < len; ++t) {
@@ -303,7 +297,7 @@ void decode_attention_impl(const Problem& P, const torch::Tensor& q, const torch
   at::parallel_for(0, P.batch, 1, [&](int64_t begin, int64_t end) {
     // attend_vec: [16][slot_stride] rows and [heads][len] scores; attend_portable: the query,
     // the scores, [group][D] sums and one row.
-    std::vector<float> work(16 * P.slot_stride + P.heads * P.max_len + (P.heads + P.heads + 1) * P.dim);
+    std::vector<float> work(16 * P.slot_stride + P.heads * P.max_len + (2 * P.heads + 1) * P.dim);
     std::vector<int64_t> offs(P.max_len);
     for (int64_t b = begin; b < end; ++b) {
 #if defined(__AVX512F__)
@@ -315,7 +309,7 @@ void decode_attention_impl(const Problem& P, const torch::Tensor& q, const torch
         case 96: attend_vec<scalar_t, 6>(P, qp, kp, vp, b, work.data(), offs.data(), op); continue;
         case 128: attend_vec<scalar_t, 8>(P, qp, kp, vp, b, work.data(), offs.data(), op); continue;
         case 256: attend_vec<scalar_t, 16>(P, qp, kp, vp, b, work.data(), offs.data(), op); continue;
-        default: break;  // other head sizes: the plain loop
+        default: break;  // other head sizes: the portable loops
       }
 #endif
       attend_portable<scalar_t>(P, qp, kp, vp, b, work.data(), offs.data(), op);

@@ -21,6 +21,17 @@ inline void dispatch(at::ScalarType dtype, const char* name, Fn&& fn) {
   }
 }
 
+// A value of the storage type as float32, one at a time: loops of these vectorize (bfloat16
+// through a shift of its bits).
+inline float to_f(float x) { return x; }
+inline float to_f(at::BFloat16 x) {
+  uint32_t u = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float to_f(at::Half x) { return static_cast<float>(x); }
+
 // exp(x) as exp16 computes it (2^n * a degree-6 polynomial of the rest; x clamped to
 // [-87, 88]), written so that `omp simd` loops of it vectorize on any instruction set (with
 // -fno-trapping-math, which lets the compiler turn the clamp's branches into selects).
