@@ -53,6 +53,7 @@ class EngineService:
         self._rate = 0.0  # requests finished per second, smoothed
         self._sessions: set[str] = set()  # names of the sessions' pinned prefixes
         self._stopping = False
+        self._arrived = False  # a source was submitted since the engine thread last fed
         self.stop_reason: str | None = None  # why the service stopped, once it has
         self._callbacks = CallbackThread(f"batchprompt-callbacks-{name}")
         self._dispatcher = self._callbacks.thread
@@ -114,6 +115,7 @@ class EngineService:
         with self._cond:
             if not self._stopping:
                 self._sources.append(source)
+                self._arrived = True
                 self._cond.notify()
                 return
         while source.items:
@@ -226,6 +228,7 @@ class EngineService:
         prioritized = self.engine.config.priority_scheduling
         refused: list[tuple[Item, RequestOutput]] = []
         with self._cond:
+            self._arrived = False
             if not self._sources:
                 return
             classes = self._sources_by_priority(prioritized)
@@ -285,7 +288,7 @@ class EngineService:
     def _step(self) -> None:
         t0 = time.perf_counter()
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(pause=self._between_layers)
         except Exception as e:  # a bug in the engine: fail what is in it, keep the thread alive
             log.exception("engine step failed")
             outputs = []
@@ -295,6 +298,23 @@ class EngineService:
                                              error=f"the engine failed: {type(e).__name__}: {e}"))
         dt = max(time.perf_counter() - t0, 1e-6)
         self._rate = 0.9 * self._rate + 0.1 * (len(outputs) / dt)
+        self._deliver(outputs)
+
+    def _between_layers(self) -> None:
+        """The engine pauses a long step between its layers: take in what was submitted since,
+        and let the engine run the requests that outrank the whole step (a chat request beside
+        a batch) at once, inside it, answering each as it finishes."""
+        if not self._arrived:
+            return
+        while True:
+            if self._arrived:
+                self._feed()
+            outputs = self.engine.step_inside()
+            if outputs is None:
+                return
+            self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             entry = self._in_engine.pop(out.request_id, None)
             if entry is None:  # already answered (after an engine failure), or not ours

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import torch
 
 from ..device import resolve_device, resolve_dtype
 from ..models import Tokenizer, build_model, load_hf_weights, resolve_model
 from ..models.llama import LlamaModel
-from ..steps import SchedulerOutput
+from ..steps import ModelRunnerOutput, SchedulerOutput
 from ..structured import GrammarCompiler, GrammarError
 from .block_pool import BlockPool
 from .config import EngineConfig
@@ -27,6 +27,10 @@ from .stop import check_stop
 
 if TYPE_CHECKING:
     from ..runner.model_runner import ModelRunner
+
+# A step predicted to take at least this long pauses between its layers for urgent requests
+# (see LLMEngine.step); a shorter one is over before pausing would gain much.
+PAUSE_MIN_S = 0.1
 
 
 class LLMEngine:
@@ -54,6 +58,9 @@ class LLMEngine:
         self._stats = EngineStats()
         self._samples = SampleGroups()  # requests with n / best_of > 1
         self.grammars = GrammarCompiler(tokenizer.hf, args.vocab_size, self.eos_token_ids) if tokenizer else None
+        self._outer: SchedulerOutput | None = None  # the step in progress, while it may pause
+        self._inside_steps = 0  # steps run inside it so far ...
+        self._inside_s = 0.0  # ... and their time
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, *, dtype: str | torch.dtype = "auto",
@@ -189,14 +196,53 @@ class LLMEngine:
         return bool(self._requests)
 
     # ---- the loop --------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        return self._samples.collect(self._step(), self._requests, self._drop_sample)
+    def step(self, pause: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """Run one step; returns the requests it finished.
+
+        `pause` (the service passes one) is called between the model's layers in a step that
+        is predicted to take `PAUSE_MIN_S` or more, while priorities are on: there the caller
+        may add requests and call `step_inside()` to run, at once, those that outrank the whole
+        step (a chat request beside a batch's rows), instead of waiting for the step's end."""
+        self._inside_s = 0.0
+        return self._samples.collect(self._step(pause), self._requests, self._drop_sample)
+
+    def step_inside(self) -> list[RequestOutput] | None:
+        """Called from a step's `pause`: run one step of the requests that outrank every request
+        of the step in progress (Scheduler.schedule_inside), which stays half computed meanwhile,
+        and return what it finished. None when there is nothing to run (or no free memory for
+        it), outside a pause, or once the step in progress has had `max_starved_steps` of them:
+        the lower class still gets its tokens."""
+        outer = self._outer
+        if outer is None or self._inside_steps >= self.config.max_starved_steps:
+            return None
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule_inside(outer)
+        if sched is None:
+            return None
+        if not self.runner.holds(sched):  # growing the KV tensors would move them under `outer`
+            self.scheduler.undo(sched)
+            return None
+        self._inside_steps += 1
+        self._stats.inside_steps += 1
+        attach_sampling_state(sched.chunks, self._requests, self.eos_token_ids)
+        try:
+            out = self.runner.execute(sched)
+        except (torch.OutOfMemoryError, MemoryError):
+            self.scheduler.undo(sched)  # they run in a later step, where the limits apply
+            return None
+        except Exception as e:  # the step's requests fail alone
+            done = self._fail_step(sched, e)
+        else:
+            done, decode_chunks = self._apply(sched, out)
+            self._account(sched, out, decode_chunks, time.perf_counter() - t0)
+        self._inside_s += time.perf_counter() - t0
+        return self._samples.collect(done, self._requests, self._drop_sample)
 
     def _drop_sample(self, req: Request) -> None:
         self.scheduler.finish(req)
         req.finish("abort")
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, pause: Callable[[], None] | None) -> list[RequestOutput]:
         t0 = time.perf_counter()
         done = [self._finish_output(r) for r in self._rejected]
         self._rejected.clear()
@@ -216,7 +262,7 @@ class LLMEngine:
                                               f"kv_cache_memory or lower max_tokens")
             attach_sampling_state(sched.chunks, self._requests, self.eos_token_ids)
             try:
-                out = self.runner.execute(sched)
+                out = self._execute(sched, pause)
                 break
             except (torch.OutOfMemoryError, MemoryError) as e:
                 failed = self._out_of_memory(sched, e)
@@ -225,9 +271,31 @@ class LLMEngine:
             except Exception as e:  # the step's requests fail alone; everything else goes on
                 return done + self._fail_step(sched, e)
         self.scheduler.limits.step_succeeded()
+        finished, decode_chunks = self._apply(sched, out)
+        # The steps run inside this one measured themselves.
+        self._account(sched, out, decode_chunks, time.perf_counter() - t0 - self._inside_s)
+        return done + finished
+
+    def _execute(self, sched: SchedulerOutput, pause: Callable[[], None] | None):
+        cfg = self.config
+        if pause is None or not cfg.priority_scheduling or cfg.priority_slowdown is None:
+            return self.runner.execute(sched)
+        predicted = self.scheduler.cost.seconds(sched.num_tokens)
+        if predicted is not None and predicted < PAUSE_MIN_S:
+            return self.runner.execute(sched)
+        self._outer, self._inside_steps = sched, 0
+        try:
+            return self.runner.execute(sched, pause)
+        finally:
+            self._outer = None
+
+    def _apply(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> tuple[list[RequestOutput], int]:
+        """Take a step's results (sampled tokens, log-probs, scores). Returns the requests it
+        finished, and how many of its chunks were decoding (a request's next token)."""
+        done: list[RequestOutput] = []
+        decode_chunks = 0
         for rid, pairs in out.prompt_logprobs.items():
             self._requests[rid].prompt_logprobs.update(pairs)
-        decode_chunks = 0
         for req in self.scheduler.advance(sched):
             if req.num_tokens > req.num_prompt_tokens:
                 decode_chunks += 1
@@ -249,15 +317,16 @@ class LLMEngine:
                 if reason != "error":
                     req.finish(reason)
                 done.append(self._finish_output(req))
+        return done, decode_chunks
+
+    def _account(self, sched: SchedulerOutput, out: ModelRunnerOutput, decode_chunks: int, seconds: float) -> None:
         s = self._stats
         s.steps += 1
         s.decode_tokens += len(out.sampled)
         s.prefill_tokens += sched.num_tokens - decode_chunks
         s.preemptions = self.scheduler.num_preemptions
-        dt = time.perf_counter() - t0
-        s.busy_seconds += dt
-        self.scheduler.cost.observe(sched.num_tokens, dt)  # for the priority classes' step limit
-        return done
+        s.busy_seconds += seconds
+        self.scheduler.cost.observe(sched.num_tokens, seconds)  # for the priority classes' step limit
 
     # ---- scoring: each candidate's log-likelihood, the prompt's KV shared (see scoring.py) -----
     def _start_scoring(self, req: Request, first: list[float]) -> list[RequestOutput]:

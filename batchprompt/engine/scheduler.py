@@ -36,6 +36,7 @@ scheduler with preemption of the youngest that it was before priorities.
 """
 from __future__ import annotations
 
+import itertools
 import time
 
 from ..steps import ScheduledChunk, SchedulerOutput
@@ -116,15 +117,51 @@ class Scheduler:
         self._count_starved(present, served)
         return SchedulerOutput(chunks, preempted, self.kv.pool.num_blocks, admitted)
 
+    def schedule_inside(self, outer: SchedulerOutput) -> SchedulerOutput | None:
+        """A step to run while `outer` is half computed (between its layers): the requests that
+        outrank every request of `outer`, running or waiting, with free blocks only. Nothing of
+        `outer` is touched: no preemption, and no prefix-cache hit on a block whose K/V `outer`
+        is still writing. None when there is no such request, or no room for one."""
+        inside = {c.request_id for c in outer.chunks}
+        floor = max((rank(r) for r in self.running if r.request_id in inside), default=None)
+        if floor is None:
+            return None
+        budget = self.limits.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        for req in self.running:  # by rank: those above the floor come first
+            if rank(req) <= floor or budget <= 0 or len(chunks) >= self.limits.max_num_seqs:
+                break
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.allocate(req, req.num_computed_tokens + n):
+                break
+            chunks.append(self._chunk(req, n))
+            budget -= n
+        admitted: dict[str, int] = {}
+        # Slots: max_num_seqs bounds this step's rows; the running requests may exceed it for a
+        # while (a full batch keeps every slot, and none of its requests can be preempted now).
+        self._admit(chunks, budget, admitted, None, None, floor, set(),
+                    unwritten=_unwritten(outer, self.kv.block_size), slots=len(self.running) + self.limits.max_num_seqs)
+        if not chunks:
+            return None
+        return SchedulerOutput(chunks, [], self.kv.pool.num_blocks, admitted)
+
     def _admit(self, chunks: list[ScheduledChunk], budget: int, admitted: dict[str, int], top: int | None,
-               low_left: int | None, grown_over: tuple[bool, int] | None, served: set[int]) -> None:
-        """Admit waiting requests in rank order. After a running request could not grow (memory
-        is short), only requests that outrank every one it preempted are admitted."""
-        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+               low_left: int | None, grown_over: tuple[bool, int] | None, served: set[int],
+               unwritten: frozenset[int] = frozenset(), slots: int | None = None) -> None:
+        """Admit waiting requests in rank order, while fewer than `slots` requests run (default
+        max_num_seqs) and the step has fewer than max_num_seqs chunks. After a running request
+        could not grow (memory is short), only requests that outrank every one it preempted are
+        admitted. A prefix hit stops at the first block in `unwritten` (its K/V are being
+        computed)."""
+        slots = self.limits.max_num_seqs if slots is None else slots
+        while (self.waiting and budget > 0 and len(self.running) < slots
+               and len(chunks) < self.limits.max_num_seqs):
             req = self.waiting[0]
             if grown_over is not None and rank(req) <= grown_over:
                 break
             hits = self.kv.find_cached_prefix(req)
+            if unwritten:
+                hits = list(itertools.takewhile(lambda b: b.block_id not in unwritten, hits))
             first = req.params.prompt_logprobs_from
             if first is not None:  # positions whose log-probs are asked must be computed
                 hits = hits[:(first - 1) // self.kv.block_size]
@@ -291,6 +328,15 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
+
+
+def _unwritten(out: SchedulerOutput, block_size: int) -> frozenset[int]:
+    """The blocks `out` writes K/V into (its chunks' tokens), which the prefix cache may
+    already list."""
+    ids: set[int] = set()
+    for c in out.chunks:
+        ids.update(c.block_ids[c.start // block_size:-(-(c.start + len(c.token_ids)) // block_size)])
+    return frozenset(ids)
 
 
 def _score_targets(req: Request, start: int, n: int) -> list[tuple[int, int]]:

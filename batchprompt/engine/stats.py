@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 class EngineStats:
     started: float = field(default_factory=time.monotonic)
     steps: int = 0
+    inside_steps: int = 0  # of which run inside a longer step, for requests that outrank it
     prefill_tokens: int = 0  # prompt tokens computed (cache hits excluded)
     decode_tokens: int = 0  # tokens generated
     prompt_tokens: int = 0  # prompt tokens of admitted requests

@@ -1,6 +1,8 @@
 """The Llama family (Llama, SmolLM, Mistral, Qwen2, Qwen3) over a flat batch of tokens."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -128,16 +130,21 @@ class LlamaModel(nn.Module):
         self.register_buffer("sin", sin.to(device=device, dtype=dtype), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
-                meta: AttentionMetadata, ops: TorchOps | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, ops: TorchOps | None = None,
+                pause: Callable[[], None] | None = None) -> torch.Tensor:
         """`ops`: the layers' elementwise steps (default: PyTorch's; the runner passes the
-        compiled ones on the CPU)."""
+        compiled ones on the CPU). `pause`, if given, is called after every layer but the last
+        (the engine runs urgent steps there, see LLMEngine.step)."""
         x = self.embed(input_ids)  # the residual stream: a new tensor, updated in place below
         cos, sin = self.cos[positions], self.sin[positions]
         ops, eps = ops or TORCH_OPS, self.args.rms_eps
         h = ops.rms_norm(x, self.layers[0].attn_norm, eps)
         norms = [layer.attn_norm for layer in self.layers[1:]] + [self.norm]
-        for layer, cache, next_norm in zip(self.layers, caches, norms):
+        last = len(self.layers) - 1
+        for i, (layer, cache, next_norm) in enumerate(zip(self.layers, caches, norms)):
             h = layer(x, h, next_norm, cos, sin, cache, meta, ops)
+            if pause is not None and i < last:
+                pause()
         return h
 
     def logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:

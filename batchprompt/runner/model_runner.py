@@ -1,6 +1,8 @@
 """ModelRunner: executes one scheduled step on the model and samples."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..device import available_memory
@@ -42,11 +44,17 @@ class ModelRunner:
             if weights <= available_memory(self.device) // 4:
                 model.pack_for_small_batches()
 
+    def holds(self, sched: SchedulerOutput) -> bool:
+        """Whether the KV tensors hold `sched`'s blocks now, without growing (a step run inside
+        another step's `pause` must not: growing replaces the tensors under the outer step)."""
+        return sched.num_blocks <= self.kv.capacity_blocks
+
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput, pause: Callable[[], None] | None = None) -> ModelRunnerOutput:
+        """Run one step. `pause` is called between the model's layers (see LlamaModel.forward)."""
         self.kv.ensure(sched.num_blocks, self.max_blocks)
         inputs = build_inputs(sched.chunks, self.block_size, self.device, self.decode_op)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv.layers, inputs.attention, self.ops)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv.layers, inputs.attention, self.ops, pause)
         out = ModelRunnerOutput({})
         rows = inputs.logits_index
         if inputs.score_index is not None:

@@ -54,14 +54,14 @@ class EngineSpy:
             self.added.append((request_id, self.cancel_ran.is_set()))
             return real_add(prompt, params, request_id, **kwargs)
 
-        def step():
+        def step(pause=None):
             if next(self._steps) == self.hold_at_step:
                 self.held.set()
                 if self.on_hold is not None:
                     self.on_hold()
                 self.cancel_asked.wait(10)
             after = self.cancel_ran.is_set()
-            outs = real_step()
+            outs = real_step(pause)
             self.outputs += [(o.finish_reason, after) for o in outs]
             return outs
 

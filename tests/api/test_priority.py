@@ -63,3 +63,47 @@ def test_an_interactive_source_is_fed_and_run_ahead_of_a_big_bulk_source_already
     assert chat_step - steps_before <= 4 + 2
     assert sum(w == "bulk" for w, s in answered if s > chat_step) > 300  # most were still to run
     assert len(answered) == 401
+
+
+def test_an_interactive_source_submitted_mid_step_is_answered_inside_that_step(service, monkeypatch):
+    """A chat request that arrives while a bulk step runs does not wait for its end: the engine
+    pauses between layers, and the service feeds the chat and runs it there."""
+    from batchprompt.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PAUSE_MIN_S", 0.0)  # the tiny model's steps are short
+    engine = service.engine
+    chat_done, bulk_done = threading.Event(), threading.Event()
+    seen: dict[str, tuple[int, int]] = {}  # when: (steps, steps inside others), on the engine thread
+    bulk_answers = []
+
+    def on_bulk(out):
+        bulk_answers.append(out.error)
+        if len(bulk_answers) == 40:
+            bulk_done.set()
+
+    def on_chat(out):
+        seen["answered"] = (engine.stats.steps, engine.stats.inside_steps)
+        seen["error"] = out.error
+        chat_done.set()
+
+    chat = Source()
+    chat.items.append(Item(prompt(1000), PARAMS, on_chat))
+    original = service._between_layers
+
+    def arrives_mid_step():
+        if "submitted" not in seen and engine.stats.steps >= 2:
+            seen["submitted"] = (engine.stats.steps, engine.stats.inside_steps)
+            service.submit(chat)
+        original()
+
+    monkeypatch.setattr(service, "_between_layers", arrives_mid_step)
+    bulk = Source(priority=BULK)
+    bulk.items.extend(Item(prompt(i), PARAMS, on_bulk) for i in range(40))
+    service.submit(bulk)
+    assert chat_done.wait(WAIT_S) and bulk_done.wait(WAIT_S)
+    assert seen["error"] is None and bulk_answers == [None] * 40
+    (steps0, inside0), (steps1, inside1) = seen["submitted"], seen["answered"]
+    # Every step between the submission and the answer ran inside the bulk step under way:
+    # its prefill and three decode steps.
+    assert inside1 - inside0 == 4
+    assert steps1 - steps0 == inside1 - inside0

@@ -1,0 +1,120 @@
+"""Steps run inside a longer step (LLMEngine.step_inside): requests that outrank every request
+of the step in progress run at its pause between layers, with the tokens they get alone, and
+nothing of the paused step is disturbed."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchprompt.engine import engine as engine_module
+
+from .test_engine import GREEDY, engine, tiny_model  # noqa: F401  (fixture)
+
+BULK, INTERACTIVE = -1, 0
+
+
+@pytest.fixture(autouse=True)
+def pause_every_step(monkeypatch):
+    """The tiny model's steps are far shorter than a real one's: let every step pause."""
+    monkeypatch.setattr(engine_module, "PAUSE_MIN_S", 0.0)
+
+
+def random_prompts(n: int, seed: int, lo: int = 4, hi: int = 30) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 97, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def alone(model, prompt: list[int]) -> list[int]:
+    return engine(model).generate([prompt], GREEDY)[0].output_token_ids
+
+
+class Arrival:
+    """A `pause` that adds `prompt` at the first pause of the engine's next step and runs steps
+    inside it for as long as there are any, as the service does."""
+
+    def __init__(self, eng, prompt: list[int], priority: int):
+        self.eng, self.prompt, self.priority = eng, prompt, priority
+        self.rid: str | None = None
+        self.inside: list = []  # outputs finished inside the step
+        self.pauses = 0
+
+    def __call__(self) -> None:
+        self.pauses += 1
+        if self.rid is None:
+            self.rid = self.eng.add_request(self.prompt, GREEDY, priority=self.priority)
+        while (outs := self.eng.step_inside()) is not None:
+            self.inside += outs
+
+
+def run(eng, pause=None, limit: int = 500) -> dict:
+    outs = {}
+    for _ in range(limit):
+        outs.update({o.request_id: o for o in eng.step(pause)})
+        pause = None  # the arrival comes once, in the first step
+        if not eng.has_unfinished():
+            return outs
+    raise AssertionError("the engine did not finish")
+
+
+def test_a_request_arriving_mid_step_runs_inside_it_with_the_tokens_it_gets_alone(tiny_model):
+    bulk = random_prompts(6, seed=11)
+    # The chat's prompt starts with a bulk prompt's blocks, which the paused step has listed in
+    # the prefix cache but not yet written: it must compute them, not read them half written.
+    chat = bulk[0][:16] + [7, 8, 9, 10, 11]
+    ref = {i: alone(tiny_model, p) for i, p in enumerate(bulk)}
+    eng = engine(tiny_model, max_num_batched_tokens=512)
+    ids = {eng.add_request(p, GREEDY, priority=BULK): i for i, p in enumerate(bulk)}
+    arrival = Arrival(eng, chat, INTERACTIVE)
+    outs = run(eng, arrival)
+    # The chat ran start to finish inside the first step: 12 tokens, 12 steps.
+    assert [o.request_id for o in arrival.inside] == [arrival.rid]
+    assert arrival.inside[0].output_token_ids == alone(tiny_model, chat)
+    assert eng.stats.inside_steps == 12
+    assert arrival.pauses == 1  # the tiny model has two layers: one pause a step
+    for rid, i in ids.items():
+        assert outs[rid].output_token_ids == ref[i], rid
+    assert eng.pool.num_used == 0
+
+
+def test_nothing_runs_inside_a_step_that_has_a_request_of_the_same_rank(tiny_model):
+    eng = engine(tiny_model)
+    first = eng.add_request(random_prompts(1, seed=1)[0], GREEDY, priority=INTERACTIVE)
+    arrival = Arrival(eng, random_prompts(1, seed=2)[0], INTERACTIVE)
+    outs = run(eng, arrival)
+    assert arrival.inside == [] and eng.stats.inside_steps == 0
+    assert {first, arrival.rid} == set(outs)
+
+
+def test_a_request_the_kv_tensors_cannot_hold_without_growing_waits_for_the_step(tiny_model):
+    """Growing the KV tensors replaces them, under the paused step: such a request runs after it."""
+    bulk = random_prompts(4, seed=3)
+    chat = random_prompts(1, seed=4, lo=240, hi=241)[0]  # 60 blocks: with the bulk's, past the first 64
+    eng = engine(tiny_model, max_num_batched_tokens=512)
+    ids = {eng.add_request(p, GREEDY, priority=BULK): i for i, p in enumerate(bulk)}
+    arrival = Arrival(eng, chat, INTERACTIVE)
+    outs = run(eng, arrival)
+    assert arrival.inside == [] and eng.stats.inside_steps == 0
+    assert outs[arrival.rid].output_token_ids == alone(tiny_model, chat)
+    for rid, i in ids.items():
+        assert outs[rid].output_token_ids == alone(tiny_model, bulk[i]), rid
+    assert eng.pool.num_used == 0
+
+
+def test_steps_inside_one_step_are_bounded_so_the_lower_class_still_gets_tokens(tiny_model):
+    eng = engine(tiny_model, max_num_batched_tokens=512, max_starved_steps=5)
+    bulk = eng.add_request(random_prompts(1, seed=5)[0], GREEDY, priority=BULK)
+    arrival = Arrival(eng, random_prompts(1, seed=6)[0], INTERACTIVE)
+    outs = eng.step(arrival)
+    assert eng.stats.inside_steps == 5 and arrival.inside == []  # 12 tokens: not done in 5 steps
+    assert outs == []
+    rest = run(eng)
+    assert rest[arrival.rid].output_token_ids == alone(tiny_model, arrival.prompt)
+    assert rest[bulk].ok
+
+
+def test_step_inside_outside_a_step_runs_nothing(tiny_model):
+    eng = engine(tiny_model)
+    eng.add_request([5, 6, 7], GREEDY, priority=INTERACTIVE)
+    assert eng.step_inside() is None
+    assert eng.stats.steps == 0
