@@ -304,7 +304,7 @@ class EngineService:
         """The engine pauses a long step between its layers: take in what was submitted since,
         and let the engine run the requests that outrank the whole step (a chat request beside
         a batch) at once, inside it, answering each as it finishes."""
-        if not self._arrived:
+        if not (self._arrived or self.engine.inside_pending):
             return
         while True:
             if self._arrived:

@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 # A step predicted to take at least this long pauses between its layers for urgent requests
 # (see LLMEngine.step); a shorter one is over before pausing would gain much.
 PAUSE_MIN_S = 0.1
+# The steps run inside one step take at most this many times its predicted time (and at least
+# PAUSE_MIN_S that many times): under a steady stream of urgent requests, the step's own
+# requests still get a fifth of the time.
+INSIDE_SHARE = 4.0
 
 
 class LLMEngine:
@@ -59,8 +63,9 @@ class LLMEngine:
         self._samples = SampleGroups()  # requests with n / best_of > 1
         self.grammars = GrammarCompiler(tokenizer.hf, args.vocab_size, self.eos_token_ids) if tokenizer else None
         self._outer: SchedulerOutput | None = None  # the step in progress, while it may pause
-        self._inside_steps = 0  # steps run inside it so far ...
-        self._inside_s = 0.0  # ... and their time
+        self._inside_s = 0.0  # the time of the steps run inside it so far ...
+        self._inside_max_s = 0.0  # ... and their limit
+        self.inside_pending = False  # whether it left out requests that its first pause should run
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, *, dtype: str | torch.dtype = "auto",
@@ -199,10 +204,14 @@ class LLMEngine:
     def step(self, pause: Callable[[], None] | None = None) -> list[RequestOutput]:
         """Run one step; returns the requests it finished.
 
-        `pause` (the service passes one) is called between the model's layers in a step that
-        is predicted to take `PAUSE_MIN_S` or more, while priorities are on: there the caller
-        may add requests and call `step_inside()` to run, at once, those that outrank the whole
-        step (a chat request beside a batch's rows), instead of waiting for the step's end."""
+        `pause` (the service passes one), with priorities and their step limit on, is called
+        between the model's layers in a step predicted to take `PAUSE_MIN_S` or more. There the
+        caller may add requests and call `step_inside()` until it returns None, to run at once
+        the requests that outrank every request of the step (a chat request beside a batch's
+        rows) instead of after it. And while the lower classes have the tokens for such a step,
+        the step leaves the top class out (Scheduler.deferrable) and `inside_pending` tells the
+        pause to run it: alone, so as fast as on an idle engine, while the batch's steps stay
+        full."""
         self._inside_s = 0.0
         return self._samples.collect(self._step(pause), self._requests, self._drop_sample)
 
@@ -210,25 +219,27 @@ class LLMEngine:
         """Called from a step's `pause`: run one step of the requests that outrank every request
         of the step in progress (Scheduler.schedule_inside), which stays half computed meanwhile,
         and return what it finished. None when there is nothing to run (or no free memory for
-        it), outside a pause, or once the step in progress has had `max_starved_steps` of them:
-        the lower class still gets its tokens."""
+        it), outside a pause, or once the steps inside this one took `INSIDE_SHARE` times its
+        predicted time: its own requests still get their turn."""
         outer = self._outer
-        if outer is None or self._inside_steps >= self.config.max_starved_steps:
+        if outer is None or self._inside_s >= self._inside_max_s:
+            self.inside_pending = False
             return None
         t0 = time.perf_counter()
         sched = self.scheduler.schedule_inside(outer)
-        if sched is None:
-            return None
-        if not self.runner.holds(sched):  # growing the KV tensors would move them under `outer`
+        if sched is not None and not self.runner.holds(sched):  # growing the KV tensors would move them under `outer`
             self.scheduler.undo(sched)
+            sched = None
+        if sched is None:
+            self.inside_pending = False
             return None
-        self._inside_steps += 1
         self._stats.inside_steps += 1
         attach_sampling_state(sched.chunks, self._requests, self.eos_token_ids)
         try:
             out = self.runner.execute(sched)
         except (torch.OutOfMemoryError, MemoryError):
             self.scheduler.undo(sched)  # they run in a later step, where the limits apply
+            self.inside_pending = False
             return None
         except Exception as e:  # the step's requests fail alone
             done = self._fail_step(sched, e)
@@ -249,7 +260,8 @@ class LLMEngine:
         if not self.scheduler.has_work:
             return done
         while True:  # more than once only when the device ran out of memory
-            sched = self.scheduler.schedule()
+            defer = self._deferrable(pause)
+            sched = self.scheduler.schedule(defer)
             if not sched.chunks:
                 # Nothing ran, so nothing will free memory: the first waiting request cannot run
                 # even alone. _validate checks only the prompt. A lone request whose output outgrew
@@ -262,7 +274,7 @@ class LLMEngine:
                                               f"kv_cache_memory or lower max_tokens")
             attach_sampling_state(sched.chunks, self._requests, self.eos_token_ids)
             try:
-                out = self._execute(sched, pause)
+                out = self._execute(sched, pause, defer is not None)
                 break
             except (torch.OutOfMemoryError, MemoryError) as e:
                 failed = self._out_of_memory(sched, e)
@@ -276,18 +288,27 @@ class LLMEngine:
         self._account(sched, out, decode_chunks, time.perf_counter() - t0 - self._inside_s)
         return done + finished
 
-    def _execute(self, sched: SchedulerOutput, pause: Callable[[], None] | None):
+    def _pausing(self, pause: Callable[[], None] | None) -> bool:
         cfg = self.config
-        if pause is None or not cfg.priority_scheduling or cfg.priority_slowdown is None:
+        return pause is not None and cfg.priority_scheduling and cfg.priority_slowdown is not None
+
+    def _deferrable(self, pause: Callable[[], None] | None) -> int | None:
+        """The priority to leave out of this step and run inside it (Scheduler.deferrable)."""
+        return self.scheduler.deferrable(PAUSE_MIN_S) if self._pausing(pause) else None
+
+    def _execute(self, sched: SchedulerOutput, pause: Callable[[], None] | None, deferred: bool):
+        if not self._pausing(pause):
             return self.runner.execute(sched)
         predicted = self.scheduler.cost.seconds(sched.num_tokens)
-        if predicted is not None and predicted < PAUSE_MIN_S:
+        if not deferred and predicted is not None and predicted < PAUSE_MIN_S:
             return self.runner.execute(sched)
-        self._outer, self._inside_steps = sched, 0
+        self._outer, self._inside_s = sched, 0.0
+        self._inside_max_s = INSIDE_SHARE * max(predicted or 0.0, PAUSE_MIN_S)
+        self.inside_pending = deferred  # the first pause runs them, whether or not more came
         try:
             return self.runner.execute(sched, pause)
         finally:
-            self._outer = None
+            self._outer, self.inside_pending = None, False
 
     def _apply(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> tuple[list[RequestOutput], int]:
         """Take a step's results (sampled tokens, log-probs, scores). Returns the requests it

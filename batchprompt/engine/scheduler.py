@@ -78,19 +78,51 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, defer: int | None = None) -> SchedulerOutput:
+        """The next step. `defer` (see `deferrable`): leave the requests of that priority and
+        higher out of it, unlimited lower ones in: the caller runs them inside the step."""
+        present = self.waiting.priorities() | {r.priority for r in self.running}
+        if defer is None:
+            return self._schedule(present, None)
+        taken = self.waiting.take_out(defer)
+        try:
+            return self._schedule(present, defer)
+        finally:
+            self.waiting.put_back(taken)
+
+    def deferrable(self, min_s: float) -> int | None:
+        """While priorities are mixed (and the step limit is on): the top priority, if the lower
+        classes have the tokens for a step predicted to last `min_s` or more. A caller that
+        runs steps inside long ones (LLMEngine.step with a pause) then leaves the top class out
+        of the step and runs it inside, alone, at the step's first pause, instead of beside a
+        few lower-class tokens in short steps."""
+        present = self.waiting.priorities() | {r.priority for r in self.running}
+        if self.slowdown is None or len(present) < 2:
+            return None
+        top, budget, tokens = max(present), self.limits.max_num_batched_tokens, 0
+        for req in itertools.chain(self.running, self.waiting):
+            if _below(req, top):
+                tokens += req.num_tokens - req.num_computed_tokens
+                if tokens >= budget:
+                    break
+        seconds = self.cost.seconds(min(tokens, budget))
+        return top if tokens and (seconds is None or seconds >= min_s) else None
+
+    def _schedule(self, present: set[int], defer: int | None) -> SchedulerOutput:
         budget = self.limits.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        preempted = self._make_room()
+        preempted = [] if defer is not None else self._make_room()
         admitted: dict[str, int] = {}
-        present = self.waiting.priorities() | {r.priority for r in self.running}
-        top, low_left = self._lower_limit(present)
+        top, low_left = (None, None) if defer is not None else self._lower_limit(present)
         served: set[int] = set()
         grown_over = None  # the highest rank preempted because a running request could not grow
         i = 0
         # Running requests past max_num_seqs (lowered after a step ran out of memory) wait.
         while i < len(self.running) and budget > 0 and len(chunks) < self.limits.max_num_seqs:
             req = self.running[i]
+            if defer is not None and not _below(req, defer):
+                i += 1
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             limited = low_left is not None and _below(req, top)
             if limited:  # so is every request after it: the order is by rank
@@ -114,7 +146,8 @@ class Scheduler:
                 continue
             break
         self._admit(chunks, budget, admitted, top, low_left, grown_over, served)
-        self._count_starved(present, served)
+        # A deferred class is served too: inside the step.
+        self._count_starved(present, served if defer is None else served | {defer})
         return SchedulerOutput(chunks, preempted, self.kv.pool.num_blocks, admitted)
 
     def schedule_inside(self, outer: SchedulerOutput) -> SchedulerOutput | None:

@@ -71,6 +71,26 @@ class WaitingQueue:
         self.append(req)
         return req
 
+    def take_out(self, priority: int) -> dict[tuple[bool, int], deque[Request]]:
+        """Take out the requests of `priority` or higher, promoted ones excepted (put them back
+        with `put_back`)."""
+        keys = [key for key in self._order if not key[0] and key[1] >= priority]
+        taken = {key: self._ranks.pop(key) for key in keys}
+        self._order = [key for key in self._order if key not in taken]
+        self._len -= sum(len(q) for q in taken.values())
+        return taken
+
+    def put_back(self, taken: dict[tuple[bool, int], deque[Request]]) -> None:
+        for key, queue in taken.items():
+            mine = self._ranks.get(key)
+            if mine is None:
+                self._ranks[key] = queue
+                self._order.append(key)
+            else:  # requests put back since (preempted ones) go first, as appendleft would
+                mine.extend(queue)
+            self._len += len(queue)
+        self._order.sort(reverse=True)
+
     def priorities(self) -> set[int]:
         """The priority classes of the waiting requests (promoted ones count in their own)."""
         out = {p for promoted, p in self._order if not promoted}

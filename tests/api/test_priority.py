@@ -71,6 +71,7 @@ def test_an_interactive_source_submitted_mid_step_is_answered_inside_that_step(s
     from batchprompt.engine import engine as engine_module
 
     monkeypatch.setattr(engine_module, "PAUSE_MIN_S", 0.0)  # the tiny model's steps are short
+    monkeypatch.setattr(engine_module, "INSIDE_SHARE", float("inf"))
     engine = service.engine
     chat_done, bulk_done = threading.Event(), threading.Event()
     seen: dict[str, tuple[int, int]] = {}  # when: (steps, steps inside others), on the engine thread

@@ -15,8 +15,10 @@ BULK, INTERACTIVE = -1, 0
 
 @pytest.fixture(autouse=True)
 def pause_every_step(monkeypatch):
-    """The tiny model's steps are far shorter than a real one's: let every step pause."""
+    """The tiny model's steps are far shorter than a real one's: let every step pause, and
+    hold any number of steps inside it."""
     monkeypatch.setattr(engine_module, "PAUSE_MIN_S", 0.0)
+    monkeypatch.setattr(engine_module, "INSIDE_SHARE", float("inf"))
 
 
 def random_prompts(n: int, seed: int, lo: int = 4, hi: int = 30) -> list[list[int]]:
@@ -101,16 +103,17 @@ def test_a_request_the_kv_tensors_cannot_hold_without_growing_waits_for_the_step
     assert eng.pool.num_used == 0
 
 
-def test_steps_inside_one_step_are_bounded_so_the_lower_class_still_gets_tokens(tiny_model):
-    eng = engine(tiny_model, max_num_batched_tokens=512, max_starved_steps=5)
+def test_steps_inside_one_step_are_bounded_so_the_lower_class_still_gets_tokens(tiny_model, monkeypatch):
+    eng = engine(tiny_model, max_num_batched_tokens=512)
     bulk = eng.add_request(random_prompts(1, seed=5)[0], GREEDY, priority=BULK)
+    eng.step()  # a measured step: the next one's predicted time is known
+    monkeypatch.setattr(engine_module, "INSIDE_SHARE", 1e-9)  # the first step inside uses it all up
     arrival = Arrival(eng, random_prompts(1, seed=6)[0], INTERACTIVE)
-    outs = eng.step(arrival)
-    assert eng.stats.inside_steps == 5 and arrival.inside == []  # 12 tokens: not done in 5 steps
-    assert outs == []
+    eng.step(arrival)
+    assert eng.stats.inside_steps == 1 and arrival.inside == []
     rest = run(eng)
     assert rest[arrival.rid].output_token_ids == alone(tiny_model, arrival.prompt)
-    assert rest[bulk].ok
+    assert rest[bulk].output_token_ids == alone(tiny_model, random_prompts(1, seed=5)[0])
 
 
 def test_step_inside_outside_a_step_runs_nothing(tiny_model):
@@ -118,3 +121,28 @@ def test_step_inside_outside_a_step_runs_nothing(tiny_model):
     eng.add_request([5, 6, 7], GREEDY, priority=INTERACTIVE)
     assert eng.step_inside() is None
     assert eng.stats.steps == 0
+
+
+def test_a_waiting_request_that_outranks_a_long_step_is_left_out_of_it_and_run_at_its_first_pause(tiny_model):
+    bulk = random_prompts(6, seed=21)
+    chat = random_prompts(1, seed=22)[0]
+    eng = engine(tiny_model, max_num_batched_tokens=512)
+    ids = {eng.add_request(p, GREEDY, priority=BULK): i for i, p in enumerate(bulk)}
+    eng.step()  # the bulk rows run; measured
+    rid = eng.add_request(chat, GREEDY, priority=INTERACTIVE)
+    inside, pending = [], []
+
+    def pause():
+        pending.append(eng.inside_pending)
+        while (outs := eng.step_inside()) is not None:
+            inside.extend(outs)
+
+    steps = eng.stats.steps
+    outs = {o.request_id: o for o in eng.step(pause)}
+    assert pending[0] is True  # the step left the chat out, for its first pause to run
+    assert [o.request_id for o in inside] == [rid]  # all 12 tokens, inside that one step
+    assert inside[0].output_token_ids == alone(tiny_model, chat)
+    assert eng.stats.steps - steps == 12 + 1
+    outs.update(run(eng))
+    for r, i in ids.items():
+        assert outs[r].output_token_ids == alone(tiny_model, bulk[i]), r
