@@ -66,6 +66,8 @@ class LLMEngine:
         self._inside_s = 0.0  # the time of the steps run inside it so far ...
         self._inside_max_s = 0.0  # ... and their limit
         self.inside_pending = False  # whether it left out requests that its first pause should run
+        self._deferred_last = False  # whether the last step left requests out ...
+        self._inside_before = 0  # ... and the count of steps run inside before it
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, *, dtype: str | torch.dtype = "auto",
@@ -262,6 +264,8 @@ class LLMEngine:
         while True:  # more than once only when the device ran out of memory
             defer = self._deferrable(pause)
             sched = self.scheduler.schedule(defer)
+            if defer is not None and not sched.chunks:  # the lower classes could not run after all
+                defer, sched = None, self.scheduler.schedule()
             if not sched.chunks:
                 # Nothing ran, so nothing will free memory: the first waiting request cannot run
                 # even alone. _validate checks only the prompt. A lone request whose output outgrew
@@ -293,8 +297,17 @@ class LLMEngine:
         return pause is not None and cfg.priority_scheduling and cfg.priority_slowdown is not None
 
     def _deferrable(self, pause: Callable[[], None] | None) -> int | None:
-        """The priority to leave out of this step and run inside it (Scheduler.deferrable)."""
-        return self.scheduler.deferrable(PAUSE_MIN_S) if self._pausing(pause) else None
+        """The priority to leave out of this step and run inside it (Scheduler.deferrable).
+        Never twice in a row without a step run inside: requests left out and then not run (no
+        free memory without preempting, or no pause came) are scheduled as usual."""
+        ran_inside = self._stats.inside_steps > self._inside_before
+        self._inside_before = self._stats.inside_steps
+        if not self._pausing(pause) or (self._deferred_last and not ran_inside):
+            self._deferred_last = False
+            return None
+        defer = self.scheduler.deferrable(PAUSE_MIN_S)
+        self._deferred_last = defer is not None
+        return defer
 
     def _execute(self, sched: SchedulerOutput, pause: Callable[[], None] | None, deferred: bool):
         if not self._pausing(pause):

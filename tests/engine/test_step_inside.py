@@ -146,3 +146,33 @@ def test_a_waiting_request_that_outranks_a_long_step_is_left_out_of_it_and_run_a
     outs.update(run(eng))
     for r, i in ids.items():
         assert outs[r].output_token_ids == alone(tiny_model, bulk[i]), r
+
+
+def test_a_left_out_request_with_no_free_memory_inside_is_scheduled_as_usual_next(tiny_model):
+    """Inside a step nothing is preempted: a chat request that finds no free blocks there must
+    not be left out again (it would wait for the whole batch); the next step admits it as
+    usual, preempting batch rows for it."""
+    from batchprompt.runner.kv_tensors import KVTensors
+
+    per_block = KVTensors.bytes_per_block(tiny_model.args, 4, torch.float32)
+    bulk = random_prompts(30, seed=31, lo=20, hi=30)
+    chat = random_prompts(1, seed=32, lo=28, hi=29)[0]
+    eng = engine(tiny_model, max_num_batched_tokens=512, kv_cache_memory=40 * per_block, watermark=0.0)
+    ids = {eng.add_request(p, GREEDY, priority=BULK): i for i, p in enumerate(bulk)}
+    eng.step()
+    assert eng.pool.num_free < 8  # the batch holds the memory the chat needs
+    rid = eng.add_request(chat, GREEDY, priority=INTERACTIVE)
+
+    order = []
+
+    def pause():
+        while (outs := eng.step_inside()) is not None:
+            order.extend(o.request_id for o in outs)
+
+    for _ in range(5000):  # after the chat, steps stay small for a second: many tiny steps
+        order += [o.request_id for o in eng.step(pause)]
+        if not eng.has_unfinished():
+            break
+    assert eng.stats.preemptions > 0  # batch rows made room for it
+    assert order[0] == rid  # before any of the batch's rows: it did not wait for them to free memory
+    assert sorted(order) == sorted([rid, *ids])
