@@ -28,7 +28,8 @@ class EngineConfig:
     # While requests of a higher priority are in the engine (and for a second after), a step
     # takes lower-priority tokens only up to this many times the time the higher ones would
     # take alone, from the measured step times (e.g. 2.0: a short chat request beside a big
-    # batch runs at most about twice as slow). None: no limit (the batch's throughput first).
+    # batch runs at most about twice as slow). The same switch lets a service run them inside
+    # the lower classes' long steps (LLMEngine.step's pause). None: neither (the batch first).
     priority_slowdown: float | None = 2.0
     # A priority class that got no token for this many steps in a row, while higher ones ran,
     # has its oldest request promoted above every class until it finishes: nothing starves.

@@ -25,6 +25,10 @@ completion requests at 0, Batch API rows and background batches at -1). Its rank
   minute, is measured by one step of the higher-priority tokens alone; before any step, an
   eighth of the token budget). On a GPU that limit is rarely reached; on a CPU it is what
   keeps a chat request fast beside a batch, at the batch's expense while chat requests run.
+- Steps inside a step (with a caller that pauses long steps, see LLMEngine.step): while the
+  lower classes have the tokens for a long step, `schedule(defer=top)` leaves the top class
+  out of it, and `schedule_inside` builds the steps that run at its pauses: only requests that
+  outrank all of the paused step, free blocks only, no preemption.
 - No starvation: a class that has requests in the engine but got no token for
   `max_starved_steps` steps in a row while a higher class did has its oldest request
   promoted: it ranks above every class (admitted first, preempted last, never limited) until

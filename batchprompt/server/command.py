@@ -56,9 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batches", type=int, default=DEFAULT_MAX_BATCHES, metavar="N",
                    help=f"keep at most this many async batches (default {DEFAULT_MAX_BATCHES})")
     p.add_argument("--priority-slowdown", default=None, metavar="X",
-                   help="while chat and completion requests run beside Batch API rows or async batches, keep "
-                        "each engine step within X times what they alone would take (default 2; 'off': no "
-                        "limit, the batch's throughput first)")
+                   help="while chat and completion requests run beside Batch API rows or async batches, they "
+                        "run inside the batch's long steps (paused between layers), and a step that carries "
+                        "both stays within X times what they alone would take (default 2; 'off': neither, "
+                        "chats wait for the step under way: the batch's throughput first)")
     p.add_argument("--no-priority", action="store_true",
                    help="run Batch API rows and async batches first come, first served with chat and "
                         "completion requests (by default those go first, without starving the batches)")
