@@ -66,8 +66,7 @@ class LLMEngine:
         self._inside_s = 0.0  # the time of the steps run inside it so far ...
         self._inside_max_s = 0.0  # ... and their limit
         self.inside_pending = False  # whether it left out requests that its first pause should run
-        self._deferred_last = False  # whether the last step left requests out ...
-        self._inside_before = 0  # ... and the count of steps run inside before it
+        self._left_out_unrun = False  # the last step left requests out and did not run them
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, *, dtype: str | torch.dtype = "auto",
@@ -300,14 +299,10 @@ class LLMEngine:
         """The priority to leave out of this step and run inside it (Scheduler.deferrable).
         Never twice in a row without a step run inside: requests left out and then not run (no
         free memory without preempting, or no pause came) are scheduled as usual."""
-        ran_inside = self._stats.inside_steps > self._inside_before
-        self._inside_before = self._stats.inside_steps
-        if not self._pausing(pause) or (self._deferred_last and not ran_inside):
-            self._deferred_last = False
+        if not self._pausing(pause) or self._left_out_unrun:
+            self._left_out_unrun = False
             return None
-        defer = self.scheduler.deferrable(PAUSE_MIN_S)
-        self._deferred_last = defer is not None
-        return defer
+        return self.scheduler.deferrable(PAUSE_MIN_S)
 
     def _execute(self, sched: SchedulerOutput, pause: Callable[[], None] | None, deferred: bool):
         if not self._pausing(pause):
@@ -315,13 +310,14 @@ class LLMEngine:
         predicted = self.scheduler.cost.seconds(sched.num_tokens)
         if not deferred and predicted is not None and predicted < PAUSE_MIN_S:
             return self.runner.execute(sched)
-        self._outer, self._inside_s = sched, 0.0
+        self._outer, before = sched, self._stats.inside_steps
         self._inside_max_s = INSIDE_SHARE * max(predicted or 0.0, PAUSE_MIN_S)
         self.inside_pending = deferred  # the first pause runs them, whether or not more came
         try:
             return self.runner.execute(sched, pause)
         finally:
             self._outer, self.inside_pending = None, False
+            self._left_out_unrun = deferred and self._stats.inside_steps == before
 
     def _apply(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> tuple[list[RequestOutput], int]:
         """Take a step's results (sampled tokens, log-probs, scores). Returns the requests it
