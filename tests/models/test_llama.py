@@ -114,19 +114,21 @@ def test_embedded_model_matches_transformers_gguf_loader(ops):
     assert (got.argmax(-1) == expected.argmax(-1)).all()
 
 
+@pytest.mark.parametrize("rows", [128, 57])  # 57: padded to 64 rows in the packed GEMMs
 @pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 0.01), (torch.float32, 1e-5)])
-def test_packed_weights_for_small_batches_give_the_same_logits(tmp_path, dtype, tolerance):
+def test_packed_weights_for_small_batches_give_the_same_logits(tmp_path, dtype, tolerance, rows):
     """On the CPU, steps of up to PACKED_MAX_ROWS tokens use oneDNN-packed weights; their
     logits equal the plain GEMMs' to the dtype's rounding."""
     from transformers import LlamaForCausalLM
 
     from batchprompt.models.llama import PACKED_MAX_ROWS
 
+    assert rows <= PACKED_MAX_ROWS
     torch.manual_seed(4)
     LlamaForCausalLM(tiny_hf_config(tie_word_embeddings=True)).save_pretrained(tmp_path)
     args, weights = load_hf_weights(resolve_model(tmp_path))
     model = build_model(args, weights, dtype, torch.device("cpu"))
-    ids = torch.randint(0, 97, (PACKED_MAX_ROWS,)).tolist()
+    ids = torch.randint(0, 97, (rows,)).tolist()
     plain = full_logits(model, ids)
     if not model.pack_for_small_batches():
         pytest.skip("this PyTorch build cannot pack weights for oneDNN")
@@ -135,3 +137,28 @@ def test_packed_weights_for_small_batches_give_the_same_logits(tmp_path, dtype, 
     scale = plain.abs().max()
     assert (packed - plain).abs().max() <= tolerance * scale
     assert (packed.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.95
+
+
+def test_packed_gemms_meet_few_row_counts(tmp_path, monkeypatch):
+    """oneDNN compiles and keeps a kernel (about 0.6 MiB) for every row count a packed GEMM
+    meets: steps of every size from 1 to 128 tokens must meet only 1-8 and multiples of 8, or a
+    server's memory grows with each new step size it sees (by about 375 MiB in all)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(4)
+    LlamaForCausalLM(tiny_hf_config()).save_pretrained(tmp_path)
+    args, weights = load_hf_weights(resolve_model(tmp_path))
+    model = build_model(args, weights, torch.float32, torch.device("cpu"))
+    if not model.pack_for_small_batches():
+        pytest.skip("this PyTorch build cannot pack weights for oneDNN")
+    seen: set[int] = set()
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x, *rest):
+        seen.add(x.shape[0])
+        return real(x, *rest)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    for n in (3, 9, 20, 57, 100):
+        full_logits(model, torch.randint(0, 97, (n,)).tolist())
+    assert seen and seen <= set(range(1, 9)) | set(range(8, 129, 8)), sorted(seen)
