@@ -9,8 +9,10 @@ For each scheduling mode a fresh server runs on 127.0.0.1, and:
 3. batch + 50 chats: the same job again (its messages marked, so that the prefix cache holds
    nothing of the first run but the system prompt), and once it is under way the same number of
    chat requests: their p50 and p99 latency, and the job's rows/s over its whole run;
-4. batch + chats throughout (`--throughout`, on by default): the job once more, with chat
-   requests one after another until its last row: the job's rows/s while chats run all along.
+4. batch alone again, then idle chats again: the baselines are the mean of the two jobs alone
+   and the latencies of all the idle chats, since the speed of a shared machine drifts;
+5. batch + chats throughout (`--throughout`, off by default: long): the job once more, with
+   chat requests one after another until its last row: the job's rows/s while chats run all along.
 A batch's rows/s over its whole run is the robust measure: over a window of a few seconds, the
 rows that happen to finish in it depend on how far along the ~600 rows in the engine are.
 Chat requests stop when the job ends (first come, a chat waits behind the rows in the engine).
@@ -198,8 +200,8 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     try:
         chats(server, 5, args.max_tokens, rng)  # warm-up
         result: dict = {"mode": mode, "flags": flags_of(mode)}
-        result["idle"] = stats(chats(server, args.requests, args.max_tokens, rng))
-        print(f"  idle chats: p50 {result['idle']['p50_s']:.3f} s", flush=True)
+        idle = chats(server, args.requests, args.max_tokens, rng)
+        print(f"  idle chats: p50 {pct(idle, 50):.3f} s", flush=True)
         result["batch_alone"] = Job(server, batch_file(args.rows, "A"), start_rows).wait()
         print(f"  batch alone: {result['batch_alone']['rows_per_s']:.1f} rows/s", flush=True)
         job = Job(server, batch_file(args.rows, "B"), start_rows)
@@ -209,12 +211,20 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         result["busy"] = stats(busy)
         print(f"  beside the batch: p50 {result['busy']['p50_s']:.3f} s ({len(busy)} chats); batch "
               f"{result['batch_50_chats']['rows_per_s']:.1f} rows/s", flush=True)
+        # Alone again and idle again: the machine's speed drifts over minutes (a shared 2-core
+        # VM), so the baselines are taken on both sides of the run beside chats.
+        result["batch_alone_after"] = Job(server, batch_file(args.rows, "D"), start_rows).wait()
+        print(f"  batch alone again: {result['batch_alone_after']['rows_per_s']:.1f} rows/s", flush=True)
+        idle_after = chats(server, args.requests, args.max_tokens, rng)
+        print(f"  idle chats again: p50 {pct(idle_after, 50):.3f} s", flush=True)
+        result["idle"] = stats(idle + idle_after)
         if args.throughout:
             job = Job(server, batch_file(args.rows, "C"), start_rows)
             all_along = chats(server, float("inf"), args.max_tokens, rng, stop=job.ended)
             result["batch_chats_throughout"] = {**job.wait(), "chats": stats(all_along)}
             print(f"  chats throughout: batch {result['batch_chats_throughout']['rows_per_s']:.1f} rows/s", flush=True)
-        alone = result["batch_alone"]["rows_per_s"]
+        alone = (result["batch_alone"]["rows_per_s"] + result["batch_alone_after"]["rows_per_s"]) / 2
+        result["alone_rows_per_s"] = alone
         result["p50_ratio"] = result["busy"]["p50_s"] / result["idle"]["p50_s"] if busy else None
         result["p99_ratio"] = result["busy"]["p99_s"] / result["idle"]["p99_s"] if busy else None
         result["change_50_chats"] = result["batch_50_chats"]["rows_per_s"] / alone - 1
@@ -232,7 +242,8 @@ def table(results: list[dict], requests: int) -> str:
     ms = lambda s: "-" if s is None else f"{1000 * s:.0f}"  # noqa: E731
     x = lambda r: "-" if r is None else f"{r:.1f}x"  # noqa: E731
     lines = ["| scheduling | chat p50 / p99 idle (ms) | beside the batch (ms) | slowdown p50 / p99 "
-             "| batch rows/s alone | with 50 chats | with chats throughout |", "|---|---|---|---|---|---|---|"]
+             "| batch rows/s alone (before / after) | with 50 chats (against the mean alone) "
+             "| with chats throughout |", "|---|---|---|---|---|---|---|"]
     for r in results:
         n = r["busy"]["n"]
         note = "" if n == requests else f" ({n} chats: the batch ended)"
@@ -240,18 +251,22 @@ def table(results: list[dict], requests: int) -> str:
         along = "-" if along is None else f"{along['rows_per_s']:.1f} ({r['change_throughout']:+.0%})"
         lines.append(f"| {label_of(r['mode'])} | {ms(r['idle']['p50_s'])} / {ms(r['idle']['p99_s'])} "
                      f"| {ms(r['busy']['p50_s'])} / {ms(r['busy']['p99_s'])}{note} "
-                     f"| {x(r['p50_ratio'])} / {x(r['p99_ratio'])} | {r['batch_alone']['rows_per_s']:.1f} "
+                     f"| {x(r['p50_ratio'])} / {x(r['p99_ratio'])} | {r['batch_alone']['rows_per_s']:.1f} / "
+                     f"{r['batch_alone_after']['rows_per_s']:.1f} "
                      f"| {r['batch_50_chats']['rows_per_s']:.1f} ({r['change_50_chats']:+.0%}) | {along} |")
     return "\n".join(lines)
 
 
 def main() -> None:
+    # Stopped with SIGTERM: unwind, so that the server process is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=5000, help="rows in each Batch API job (default 5000)")
     ap.add_argument("--requests", type=int, default=50, help="chat requests idle and beside the batch (default 50)")
     ap.add_argument("--max-tokens", type=int, default=8, help="tokens per chat answer (default 8)")
-    ap.add_argument("--no-throughout", dest="throughout", action="store_false",
-                    help="skip the third job (chat requests all along)")
+    ap.add_argument("--throughout", action="store_true",
+                    help="one more job, with chat requests all along (long: chats then take up to 4/5 "
+                         "of the engine's time, and the batch runs at a fifth of its speed or more)")
     ap.add_argument("--modes", default="fifo,priority",
                     help="comma-separated, default fifo,priority: " + ", ".join(MODES) + ", slowdown=X")
     args = ap.parse_args()
