@@ -141,7 +141,7 @@ def test_packed_weights_for_small_batches_give_the_same_logits(tmp_path, dtype, 
 
 def test_packed_gemms_meet_few_row_counts(tmp_path, monkeypatch):
     """oneDNN compiles and keeps a kernel (about 0.6 MiB) for every row count a packed GEMM
-    meets: steps of every size from 1 to 128 tokens must meet only 1-8 and multiples of 8, or a
+    meets: steps of any size up to 128 tokens must meet only 1-8 and multiples of 8, or a
     server's memory grows with each new step size it sees (by about 375 MiB in all)."""
     from transformers import LlamaForCausalLM
 
