@@ -211,7 +211,7 @@ class LLMEngine:
         the requests that outrank every request of the step (a chat request beside a batch's
         rows) instead of after it. And while the lower classes have the tokens for such a step,
         the step leaves the top class out (Scheduler.deferrable) and `inside_pending` tells the
-        pause to run it: alone, so as fast as on an idle engine, while the batch's steps stay
+        pause to run it (the step pauses once before its first layer for it): alone, so as fast as on an idle engine, while the batch's steps stay
         full."""
         self._inside_s = 0.0
         return self._samples.collect(self._step(pause), self._requests, self._drop_sample)
@@ -314,6 +314,8 @@ class LLMEngine:
         self._inside_max_s = INSIDE_SHARE * max(predicted or 0.0, PAUSE_MIN_S)
         self.inside_pending = deferred  # the first pause runs them, whether or not more came
         try:
+            if deferred:  # ... and comes before the first layer: they need not wait for it
+                pause()
             return self.runner.execute(sched, pause)
         finally:
             self._outer, self.inside_pending = None, False

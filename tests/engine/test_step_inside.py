@@ -148,6 +148,32 @@ def test_a_waiting_request_that_outranks_a_long_step_is_left_out_of_it_and_run_a
         assert outs[r].output_token_ids == alone(tiny_model, bulk[i]), r
 
 
+def test_a_left_out_request_runs_before_the_first_layer_of_the_step_it_was_left_out_of(tiny_model):
+    """It need not wait for the step's first layer (a tenth of a second in a long step of the
+    real model): the step pauses once before it."""
+    bulk = random_prompts(6, seed=23)
+    chat = random_prompts(1, seed=24, lo=9, hi=10)[0]
+    eng = engine(tiny_model, max_num_batched_tokens=512)
+    for p in bulk:
+        eng.add_request(p, GREEDY, priority=BULK)
+    eng.step()  # the bulk rows' prompts; each has its first token
+    rid = eng.add_request(chat, GREEDY, priority=INTERACTIVE)
+    rows = []  # the tokens of each call of the first layer, in order
+    hook = tiny_model.layers[0].register_forward_hook(lambda mod, args, out: rows.append(args[0].shape[0]))
+    inside = []
+
+    def pause():
+        while (outs := eng.step_inside()) is not None:
+            inside.extend(outs)
+
+    try:
+        eng.step(pause)
+    finally:
+        hook.remove()
+    assert [o.request_id for o in inside] == [rid]
+    assert rows == [len(chat)] + [1] * 11 + [len(bulk)]  # the chat's 12 steps, then the batch's step
+
+
 def test_a_left_out_request_with_no_free_memory_inside_is_scheduled_as_usual_next(tiny_model):
     """Inside a step nothing is preempted: a chat request that finds no free blocks there must
     not be left out again (it would wait for the whole batch); the next step admits it as
