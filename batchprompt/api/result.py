@@ -35,6 +35,9 @@ class Result:
     token_ids: list[int] = field(default_factory=list, repr=False)
     parsed: Any = None
     choice_probs: dict[str, float] | None = None
+    # The prompt did not fail on its own account: its backend stopped, or no endpoint of a pool
+    # answered for `give_up_after` seconds. Sent again, it may well succeed.
+    retryable: bool = False
 
     @property
     def ok(self) -> bool:

@@ -27,7 +27,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from ..backends.base import Item, Source, answer  # noqa: F401  (the seam's types, imported from here too)
+from ..backends.base import Item, Source, answer, stopped_output  # noqa: F401  (the seam's types, imported from here too)
 from ..device import prepare_engine_thread
 from ..engine import EngineStats, LLMEngine, RequestOutput, SamplingParams
 from .callbacks import CallbackThread
@@ -120,7 +120,7 @@ class EngineService:
                 return
         while source.items:
             item = source.items.popleft()
-            answer(item, _stopped_output(item, self.stop_reason, None))
+            answer(item, stopped_output(item, self.stop_reason, self.stop_reason == SHUT_DOWN, ""))
 
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run `fn` on the engine thread, between steps; its result comes back in the future
@@ -342,12 +342,12 @@ class EngineService:
         for source, item in in_engine:
             source.in_engine.pop(item.request_id, None)
             self._discard(item.request_id)
-            answer(item, _stopped_output(item, self.stop_reason, item.request_id))
+            answer(item, stopped_output(item, self.stop_reason, self.stop_reason == SHUT_DOWN))
         for source in sources:
             source.cancelled = True
             while source.items:
                 item = source.items.popleft()
-                answer(item, _stopped_output(item, self.stop_reason, None))
+                answer(item, stopped_output(item, self.stop_reason, self.stop_reason == SHUT_DOWN, ""))
         for name in sessions:  # matters where the caller owns the engine and goes on using it
             try:
                 engine.unpin(name)
@@ -356,13 +356,6 @@ class EngineService:
         self._engine = engine = None
         _free_memory()
         self._callbacks.close()  # after the callbacks of the answers above
-
-
-def _stopped_output(item: Item, reason: str | None, rid: str | None) -> RequestOutput:
-    """What an item gets when the service stops under it: 'abort' after a shutdown (a cancel
-    the user asked for), 'error' when the engine failed."""
-    return RequestOutput(rid or "", item.token_ids, [], "", "abort" if reason == SHUT_DOWN else "error",
-                         error=reason)
 
 
 def _free_memory() -> None:

@@ -113,6 +113,14 @@ class Backend(Protocol):
         """Stop; every item still waiting is answered ('abort')."""
 
 
+def stopped_output(item: Item, reason: str | None, shut_down: bool, rid: str | None = None) -> RequestOutput:
+    """What an item gets when its backend stops under it: 'abort' after a shutdown (a cancel
+    the user asked for), 'error' when it failed. Either way the item did not run to its end
+    through no fault of its own (retryable)."""
+    return RequestOutput(rid if rid is not None else item.request_id or "", item.token_ids, [], "",
+                         "abort" if shut_down else "error", error=reason, retryable=True)
+
+
 def answer(item: Item, out: RequestOutput) -> None:
     """Hand `out` to the item's handler. A handler that raises is called once more with an error
     output, so that its item is still answered (a caller may be waiting on it). Every backend

@@ -28,6 +28,9 @@ class RequestOutput:
     # n / best_of: every returned sample (the fields above are samples[0]'s), in index order, or
     # with best_of by cumulative log-prob, highest first. None for a single-sample request.
     samples: list["RequestOutput"] | None = None
+    # Not run to its end for a reason not its own (the backend stopped, no endpoint of a pool
+    # answered): sent again, it may well succeed. A job journals no such request.
+    retryable: bool = False
 
     @property
     def ok(self) -> bool:

@@ -88,7 +88,7 @@ class Journal:
 
     def record(self, line: int, custom_id: str | None, ok: bool, record: dict[str, Any],
                prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
-        self._pending.append((line, _text(custom_id), int(ok), _json(record), prompt_tokens, completion_tokens))
+        self._pending.append((line, _text(custom_id), int(ok), record_json(record), prompt_tokens, completion_tokens))
         if (len(self._pending) >= self.commit_every
                 or time.monotonic() - self._last_commit >= self.commit_seconds):
             self.flush()
@@ -129,7 +129,7 @@ class Journal:
             self.db.close()
 
 
-def _json(record: dict[str, Any]) -> str:
+def record_json(record: dict[str, Any]) -> str:
     """The record as JSON, readable UTF-8; escaped (\\ud800) where it holds a lone surrogate."""
     text = json.dumps(record, ensure_ascii=False)
     return text if _is_utf8(text) else json.dumps(record, ensure_ascii=True)

@@ -20,7 +20,7 @@ from ..engine import SamplingParams
 from ..models.tokenizer import cache_dir
 from . import openai_io
 from .ids import check_ids
-from .journal import Journal
+from .journal import Journal, record_json
 from .lock import JobLock
 from .rows import CHAT, COMPLETION, InputError, Row, RowError, Table, read_input
 from .storage import StorageError, write_atomic
@@ -73,11 +73,14 @@ class JobSummary:
     estimate_seconds: float | None = None  # --dry-run
     notes: list[str] = field(default_factory=list)  # what was read but not as written (Table.notes)
     rows_rerun: int = 0  # rows sent again after the replica running them was lost (Ray)
+    not_run: int = 0  # rows that failed for want of a backend (not journaled: a resume runs them)
 
     def __str__(self) -> str:
         rerun = ([f"{self.rows_rerun} rows were run again after a replica was lost (each is in the output once)"]
                  if self.rows_rerun else [])
-        return "\n".join([self._headline(), *rerun, *self.notes])
+        not_run = ([f"{self.not_run} of the failed rows did not run for want of a backend (see the errors file): "
+                    f"they are not journaled; run the same command again to run them"] if self.not_run else [])
+        return "\n".join([self._headline(), *rerun, *not_run, *self.notes])
 
     def _headline(self) -> str:
         if self.estimate_seconds is not None:
@@ -215,6 +218,9 @@ class JobRun:
     def __init__(self, opts: JobOptions, out=None):
         self.opts = opts
         self.out = out or sys.stderr  # where a person reads progress and the summary
+        # Rows that failed for want of a backend (every endpoint down, the engine stopped): their
+        # error records, by line. Not journaled, so that running the job again runs them.
+        self._not_run: dict[int, str] = {}
 
     def say(self, message: str) -> None:
         print(message, file=self.out, flush=True)
@@ -301,7 +307,8 @@ class JobRun:
         journal.flush()
         summary.seconds = time.perf_counter() - t0
         ok, total = journal.counts()
-        summary.ok, summary.failed = ok, total - ok
+        summary.ok, summary.failed = ok, total - ok + len(self._not_run)
+        summary.not_run = len(self._not_run)
         summary.prompt_tokens, summary.completion_tokens = journal.token_counts()
         if interrupted_by:
             summary.interrupted, summary.interrupted_by = True, interrupted_by
@@ -311,7 +318,8 @@ class JobRun:
                      f"Run the same command again to resume.")
             return summary
         self._write_outputs(table, journal, errors_path)
-        journal.set("complete", "1")  # only now: a failed write leaves the job to finish next time
+        if not self._not_run:
+            journal.set("complete", "1")  # only now: a failed write leaves the job to finish next time
         return summary
 
     def _outputs_exist(self, errors_path: str | None) -> bool:
@@ -399,7 +407,10 @@ class JobRun:
                         continue
                     ok, record, usage = self._answer(p, model_name, created, token_text)
                     errors += not ok
-                    journal.record(p.row.line, p.row.custom_id, ok, record, *usage)
+                    if not ok and any(c.retryable for c in p.choices):
+                        self._not_run[p.row.line] = record_json(record)
+                    else:
+                        journal.record(p.row.line, p.row.custom_id, ok, record, *usage)
                     summary.run_rows += 1
                     summary.run_completion_tokens += sum(c.usage.completion_tokens for c in p.choices)
                     if bar is not None:
@@ -428,6 +439,8 @@ class JobRun:
         if failed is not None:
             code = "context_length_exceeded" if "shorten the prompt" in failed.error else "request_failed"
             message = f"line {row.line}: {failed.error}"
+            if any(c.retryable for c in p.choices):
+                code, message = "not_run", f"{message} (the row did not run: run the same command again to run it)"
             return False, openai_io.error_line(row.line, row.custom_id, code, message), (0, 0)
         try:
             body = openai_io.response_body(row, p.choices, model_name, created, token_text)
@@ -443,7 +456,8 @@ class JobRun:
             self._write_table(table, journal)
         else:
             _write_lines(self.opts.output, (rec for _, ok, rec in journal.records() if ok))
-        err_lines = (rec for _, ok, rec in journal.records() if not ok)
+        err_lines = (rec for _, rec in sorted([(line, rec) for line, ok, rec in journal.records() if not ok]
+                                              + list(self._not_run.items())))
         if errors_path:
             _write_lines(errors_path, err_lines)
         else:  # stdout output: errors go to stderr
@@ -455,7 +469,7 @@ class JobRun:
 
         texts: dict[int, str | None] = {}
         errs: dict[int, str | None] = {}
-        for line, ok, rec in journal.records():
+        for line, ok, rec in [*journal.records(), *((line, False, rec) for line, rec in self._not_run.items())]:
             obj = json.loads(rec)
             texts[line] = _answer_text(obj) if ok else None
             errs[line] = None if ok else obj["error"]["message"]

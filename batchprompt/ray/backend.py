@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from ..api.callbacks import CallbackThread
-from ..backends.base import Item, Source, answer
+from ..backends.base import Item, Source, answer, stopped_output
 from ..engine import EngineStats, RequestOutput
 from .blocks import block_size, cut
 from .replica import ReplicaInfo
@@ -149,7 +149,7 @@ class RayBackend:
                 return
         while source.items:
             item = source.items.popleft()
-            answer(item, _stopped_output(item, self.stop_reason))
+            answer(item, stopped_output(item, self.stop_reason, self.stop_reason == SHUT_DOWN))
 
     def cancel(self, source: Source, on_pending: Callable[[Item], None]) -> Future:
         fut: Future = Future()
@@ -512,12 +512,12 @@ class RayBackend:
         for block in running + retry:
             for item in block.items:
                 block.source.in_engine.pop(item.request_id, None)
-                answer(item, _stopped_output(item, self.stop_reason))
+                answer(item, stopped_output(item, self.stop_reason, self.stop_reason == SHUT_DOWN))
         for source in sources:
             source.cancelled = True
             while source.items:
                 item = source.items.popleft()
-                answer(item, _stopped_output(item, self.stop_reason))
+                answer(item, stopped_output(item, self.stop_reason, self.stop_reason == SHUT_DOWN))
         for s in self._slots:
             try:
                 ray.kill(s.handle, no_restart=True)
@@ -525,11 +525,6 @@ class RayBackend:
                 pass
         self._callbacks.close()
         self._on_shutdown()
-
-
-def _stopped_output(item: Item, reason: str | None) -> RequestOutput:
-    return RequestOutput(item.request_id or "", item.token_ids, [], "", "abort" if reason == SHUT_DOWN else "error",
-                         error=reason)
 
 
 def _reason(e: Exception) -> str:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..api.callbacks import CallbackThread
 from ..api.result import EngineStoppedError
-from ..backends.base import Item, Source, answer
+from ..backends.base import Item, Source, answer, stopped_output
 from ..engine import EngineStats, RequestOutput
 from . import wire
 from .endpoint import Endpoint, backoff
@@ -136,7 +136,7 @@ class RemoteBackend:
             items.append(source.items.popleft())
         if not self._call_soon(self._add, source, items):
             for item in items:
-                answer(item, self._stopped_output(item))
+                answer(item, stopped_output(item, self.stop_reason, self.stop_reason == SHUT_DOWN))
 
     def cancel(self, source: Source, on_pending: Callable[[Item], None]) -> Future:
         fut: Future = Future()
@@ -334,7 +334,7 @@ class RemoteBackend:
                 reasons = "; ".join(f"{e.url}: {e.dead_reason}" for e in self.endpoints)
                 for w in self.queue.drain():
                     self._finish_error(w, f"no endpoint of the pool answered for {self.pool.give_up_after:g}s "
-                                          f"({reasons})")
+                                          f"({reasons})", retryable=True)
             return
         self._no_endpoint_since = None
         while self.queue:
@@ -581,8 +581,9 @@ class RemoteBackend:
                 self._kick()
 
     # ---- answers ------------------------------------------------------------------------------
-    def _finish_error(self, w: Work, message: str) -> None:
-        self._answer(w, RequestOutput(w.item.request_id or "", w.item.token_ids, [], "", "error", error=message))
+    def _finish_error(self, w: Work, message: str, retryable: bool = False) -> None:
+        self._answer(w, RequestOutput(w.item.request_id or "", w.item.token_ids, [], "", "error", error=message,
+                                      retryable=retryable))
 
     def _answer(self, w: Work, out: RequestOutput) -> None:
         if w.answered:
@@ -593,20 +594,17 @@ class RemoteBackend:
             self._stats.failed += out.error is not None
         answer(w.item, out)
 
-    def _stopped_output(self, item: Item) -> RequestOutput:
-        return RequestOutput(item.request_id or "", item.token_ids, [], "", "abort", error=self.stop_reason)
-
     def _answer_all(self, reason: str | None) -> None:
         """The loop is ending: every work not answered yet is, now."""
         delayed, self._delayed = list(self._delayed.values()), {}
         for works in delayed:
             for w in works:
-                self._answer(w, self._stopped_output(w.item))
+                self._answer(w, stopped_output(w.item, self.stop_reason, self.stop_reason == SHUT_DOWN))
         for w in self.queue.drain():
-            self._answer(w, self._stopped_output(w.item))
+            self._answer(w, stopped_output(w.item, self.stop_reason, self.stop_reason == SHUT_DOWN))
         for sb in list(self._flying):
             for w in sb.works:
-                self._answer(w, self._stopped_output(w.item))
+                self._answer(w, stopped_output(w.item, self.stop_reason, self.stop_reason == SHUT_DOWN))
         self._flying.clear()
         self._in_flight_items = 0
 

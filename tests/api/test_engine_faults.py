@@ -71,6 +71,7 @@ def test_when_the_engine_thread_dies_every_waiter_gets_the_error_and_the_next_ca
         results = batch.wait(timeout=60)
         assert {r.error for r in results} == {
             "the engine stopped: RuntimeError: the engine's state is lost (the next call starts a fresh engine)"}
+        assert all(r.retryable for r in results)  # not the prompts' fault: a job does not journal them
     service._thread.join(30)
     service._dispatcher.join(30)
     assert not service._thread.is_alive() and not service._dispatcher.is_alive()

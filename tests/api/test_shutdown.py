@@ -76,6 +76,7 @@ def test_shutdown_cancels_waiters_frees_the_engine_and_the_next_call_builds_a_fr
     cancelled = [r for r in results if not r.ok]
     assert cancelled and {(r.finish_reason, r.error) for r in cancelled} == {
         ("cancelled", "the engine was shut down (bp.shutdown() or LanguageModel.close())")}
+    assert all(r.retryable for r in cancelled)
     assert not service._thread.is_alive() and not service._dispatcher.is_alive()
     gc.collect()
     assert engine() is None, "the engine (weights, KV cache) is still referenced"

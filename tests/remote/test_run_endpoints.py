@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from .conftest import pool_of
 from .fault_proxy import FaultProxy
 
 
@@ -92,3 +93,34 @@ def test_give_up_after_needs_endpoints(tmp_path):
     assert p.returncode == 2, err
     assert "--give-up-after needs --endpoints" in err
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_rows_no_endpoint_answered_for_are_not_journaled_and_run_when_the_job_runs_again(proxy, tmp_path):
+    """Every endpoint down past give_up_after: the rows fail (errors file, code not_run), but
+    they are not the rows' fault: the journal keeps none of them, and the same job run again
+    once a server answers runs them (it used to say 'already complete', with the rows lost
+    unless --restart threw away every finished row)."""
+    from batchprompt.jobs.run import JobOptions, run_job
+
+    rows = 4
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_input(inp, rows)
+    opts = dict(input=str(inp), output=str(out), progress=False)
+    with pool_of([proxy.url], give_up_after=2, max_retries=10) as pool:
+        proxy.set_down(True)
+        first = run_job(JobOptions(**opts, cluster=pool))
+    assert (first.ok, first.failed, first.not_run) == (0, rows + 1, rows)
+    assert "run the same command again to run them" in str(first)
+    errors = [json.loads(x) for x in Path(str(out) + ".errors.jsonl").read_text().splitlines()]
+    assert [e["error"]["line"] for e in errors] == list(range(1, rows + 2))  # in input order
+    assert [e["error"]["code"] for e in errors[:rows]] == ["not_run"] * rows
+    assert all("no endpoint of the pool answered for 2s" in e["error"]["message"] for e in errors[:rows])
+    assert _journal_rows(Path(str(out) + ".journal")) == 1  # the line that is not JSON, only
+    proxy.set_down(False)
+    with pool_of([proxy.url]) as pool:
+        second = run_job(JobOptions(**opts, cluster=pool))
+    assert (second.resumed, second.ok, second.failed, second.not_run) == (1, rows, 1, 0)
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["custom_id"] for x in lines] == [f"r{i}" for i in range(rows)]
+    errors = [json.loads(x) for x in Path(str(out) + ".errors.jsonl").read_text().splitlines()]
+    assert [e["error"]["line"] for e in errors] == [rows + 1]
