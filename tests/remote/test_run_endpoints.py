@@ -24,7 +24,7 @@ def _write_input(path: Path, n: int) -> None:
 
 
 def _run(*args: str, **kw) -> subprocess.Popen:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONFAULTHANDLER": "1"}  # SIGABRT prints every thread's stack
     return subprocess.Popen([sys.executable, "-m", "batchprompt", "run", *args, "--no-progress"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
@@ -56,7 +56,12 @@ def test_run_on_endpoints_is_interrupted_and_resumed(two_servers, tmp_path):
             assert time.monotonic() < deadline, "no row journaled within 300s"
             time.sleep(0.2)
         first.send_signal(signal.SIGINT)
-        _, err1 = first.communicate(timeout=120)
+        try:
+            _, err1 = first.communicate(timeout=120)
+        except subprocess.TimeoutExpired:  # where it hangs: every thread's stack, from faulthandler
+            first.send_signal(signal.SIGABRT)
+            _, err1 = first.communicate(timeout=60)
+            raise AssertionError(f"no exit within 120s of Ctrl-C; its threads:\n{err1[-20000:]}") from None
         assert first.returncode == 130, err1
         assert "Run the same command again to resume" in err1
     finally:
