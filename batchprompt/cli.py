@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -137,6 +138,8 @@ def _endpoint_pool(args: argparse.Namespace):
         return None
     from .remote import EndpointPool, PoolError
 
+    if args.give_up_after is not None and not (math.isfinite(args.give_up_after) and args.give_up_after > 0):
+        raise ValueError(f"--give-up-after must be a finite number of seconds > 0, got {args.give_up_after:g}")
     key = args.api_key or os.environ.get("BATCHPROMPT_API_KEY") or os.environ.get("OPENAI_API_KEY") or None
     try:
         options = {} if args.give_up_after is None else {"give_up_after": args.give_up_after}

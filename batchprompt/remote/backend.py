@@ -331,10 +331,12 @@ class RemoteBackend:
         if self.queue and not any(e.alive for e in self.endpoints):
             self._no_endpoint_since = self._no_endpoint_since or now
             if now - self._no_endpoint_since > self.pool.give_up_after:
-                reasons = "; ".join(f"{e.url}: {e.dead_reason}" for e in self.endpoints)
+                reasons = "; ".join(e.dead_reason if (e.dead_reason or "").startswith(e.url) else f"{e.url}: {e.dead_reason}"
+                                    for e in self.endpoints)
                 for w in self.queue.drain():
                     self._finish_error(w, f"no endpoint of the pool answered for {self.pool.give_up_after:g}s "
                                           f"({reasons})", retryable=True)
+                self._no_endpoint_since = None  # work submitted from now on waits give_up_after afresh
             return
         self._no_endpoint_since = None
         while self.queue:

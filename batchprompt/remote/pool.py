@@ -13,6 +13,7 @@ not answer start as dead and are taken in once they do; none answering is an err
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -68,8 +69,8 @@ class EndpointPool(SwarmMethods):
         self.specs = endpoint_specs(endpoints)
         for name, value, low in (("timeout", timeout, 0), ("connect_timeout", connect_timeout, 0),
                                  ("backoff_s", backoff_s, 0), ("give_up_after", give_up_after, 0)):
-            if not isinstance(value, (int, float)) or value <= low:
-                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= low:
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
         for name, value in (("batch_tokens", batch_tokens), ("min_batch_tokens", min_batch_tokens),
                             ("batch_prompts", batch_prompts),
                             ("max_in_flight", max_in_flight), ("initial_in_flight", initial_in_flight),

@@ -173,3 +173,16 @@ def test_every_endpoint_down_mid_run_says_so_and_ends_within_give_up_after(two_s
         assert all(r.retryable for r in results)  # not the prompts' fault: a job runs them again
         assert any("no endpoint of the pool is left" in m and "3s" in m for m in caplog.messages), caplog.messages
         assert not any("goes to the others" in m for m in caplog.messages)
+        assert results[0].error.count(proxy.url) == 1, results[0].error  # the endpoint named once
+        # Work submitted after the pool gave up waits give_up_after again (it failed at once).
+        t0 = time.monotonic()
+        again = lm.batch_prompt(PROMPTS[:2])
+        assert time.monotonic() - t0 >= 2.9
+        assert all(r.retryable for r in again)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0, -1, True, "5"])
+def test_a_wait_that_never_ends_or_is_no_number_is_refused(value):
+    """give_up_after=nan compared false with everything, so the pool never gave up."""
+    with pytest.raises(ValueError, match=r"give_up_after must be a finite number of seconds > 0"):
+        bp.EndpointPool(["127.0.0.1:9"], give_up_after=value)

@@ -129,3 +129,17 @@ def test_rows_no_endpoint_answered_for_are_not_journaled_and_run_when_the_job_ru
     assert [x["custom_id"] for x in lines] == [f"r{i}" for i in range(rows)]
     errors = [json.loads(x) for x in Path(str(out) + ".errors.jsonl").read_text().splitlines()]
     assert [e["error"]["line"] for e in errors] == [rows + 1]
+
+
+def test_give_up_after_that_never_ends_is_a_bad_option(tmp_path):
+    """--give-up-after nan was taken and the run never gave up (inf: the same, on purpose or not)."""
+    _write_input(tmp_path / "in.jsonl", 2)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1:9\n")  # never contacted: the option is refused first
+    for value in ("nan", "inf", "0"):
+        p = _run(str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--endpoints", str(hosts),
+                 "--give-up-after", value)
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 2, err
+        assert f"--give-up-after must be a finite number of seconds > 0, got {value}" in err
+        assert not (tmp_path / "out.jsonl").exists()
