@@ -553,8 +553,8 @@ class RemoteBackend:
 
         self.loop.call_later(delay, later)
 
-    def _mark_dead(self, e: Endpoint, reason: str) -> None:
-        if e.alive:
+    def _mark_dead(self, e: Endpoint, reason: str, warn: bool = True) -> None:
+        if e.alive and warn:
             if any(x.alive for x in self.endpoints if x is not e):
                 log.warning("endpoint %s is down (%s): its work goes to the others until it answers again",
                             e.url, reason)

@@ -182,7 +182,7 @@ class EndpointPool(SwarmMethods):
                 backend = RemoteBackend(self, endpoints, self.model, self._tokenizer, self._model_len)
                 for e in endpoints:
                     if e.url in self._down:
-                        backend.call_on_loop(backend._mark_dead, e, self._down[e.url])
+                        backend.call_on_loop(backend._mark_dead, e, self._down[e.url], False)  # warned about above
                 self._backend = backend
             return self._backend
 

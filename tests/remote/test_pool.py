@@ -138,11 +138,16 @@ def test_aurora_methods(two_servers, reference):
     assert reduced.success and reduced.text
 
 
-def test_an_endpoint_down_at_start_is_taken_in_when_it_answers(two_servers, proxy):
+def test_an_endpoint_down_at_start_is_taken_in_when_it_answers(two_servers, proxy, caplog):
+    import logging
+
     proxy.set_down(True)
-    with pool_of([two_servers[0].url, proxy.url], give_up_after=30, min_batch_tokens=64) as pool:
+    with caplog.at_level(logging.WARNING, logger="batchprompt"), \
+            pool_of([two_servers[0].url, proxy.url], give_up_after=30, min_batch_tokens=64) as pool:
         lm = bp.LanguageModel.create(model=pool, max_tokens=4)
         assert [r.error for r in lm.batch_prompt(PROMPTS[:4])] == [None] * 4
+        warned = [m for m in caplog.messages if proxy.url in m]
+        assert len(warned) == 1 and "starts as down" in warned[0], warned  # said once, not twice
         assert [e["alive"] for e in pool.endpoint_stats()] == [True, False]
         proxy.set_down(False)
         t_end = time.monotonic() + 30  # the probe backs off to one try in 10s
