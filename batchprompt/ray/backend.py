@@ -57,7 +57,7 @@ class Slot:
 
     index: int
     handle: Any
-    state: str = "starting"  # starting, ready, recovering, dead
+    state: str = "starting"  # starting, pinning (its sessions' prefixes), ready, recovering, dead
     info: ReplicaInfo | None = None
     blocks: dict[int, Block] = dataclasses.field(default_factory=dict)
     incarnation: int = 0  # +1 each time it is lost
@@ -428,8 +428,37 @@ class RayBackend:
         slot.info = info
         if self._info is None:
             self._info = info
-        for name, ids in list(self._pins.items()):  # the new process lost the sessions' pins
-            slot.handle.pin_prefix.remote(name, ids)
+        if not self._pins:
+            self._set_ready(slot)
+            return
+        # A new process has none of the sessions' pinned prefixes: it takes rows once they are
+        # pinned there, or rows sent beside the pins' prefill would compute the prefix again.
+        slot.state = "pinning"
+        refs = [slot.handle.pin_prefix.remote(name, ids) for name, ids in self._pins.items()]
+        incarnation = slot.incarnation
+
+        def wait() -> None:
+            lost = False
+            for ref in refs:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    lost = True
+                except Exception:  # noqa: BLE001  (the prefix cannot run there: nor can its rows, which say so)
+                    pass
+            self._event(("pinned", slot, incarnation, lost))
+        threading.Thread(target=wait, name="batchprompt-ray-repin", daemon=True).start()
+
+    def _on_pinned(self, slot: Slot, incarnation: int, lost: bool) -> None:
+        if incarnation != slot.incarnation or slot.state != "pinning":
+            return
+        if lost:  # died while pinning: probed back once Ray restarts it
+            slot.state, slot.incarnation = "recovering", slot.incarnation + 1
+            self._probe(slot)
+            return
+        self._set_ready(slot)
+
+    def _set_ready(self, slot: Slot) -> None:
         slot.state = "ready"
         self._no_replica_since = None
         self._first_ready.set()
@@ -473,7 +502,7 @@ class RayBackend:
         import ray
 
         self._pins[name] = ids
-        refs = [s.handle.pin_prefix.remote(name, ids) for s in self._ready_slots()]
+        refs = [s.handle.pin_prefix.remote(name, ids) for s in self._slots if s.state in ("ready", "pinning")]
 
         def collect() -> None:  # off the dispatcher: the prefill takes a moment
             pinned = 0

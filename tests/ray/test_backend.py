@@ -124,8 +124,11 @@ def test_a_killed_replica_costs_a_rerun_and_comes_back(lm, messages, local_texts
     index = killed[0]["index"]
     wait_for(lambda: backend.replicas[index]["state"] == "ready" and backend.replicas[index]["restarts"] >= 1,
              180, "the killed replica to be restarted")
+    # Ready means it holds the session's pinned prefix again: every row finds it there (it was
+    # ready before the pin, and rows sent beside the pin's prefill computed part of the prefix).
     again = lm.batch_prompt(messages)
     assert [r.text for r in again] == local_texts
+    assert all(r.usage.cached_tokens >= lm.pinned_tokens for r in again), [r.usage.cached_tokens for r in again]
 
 
 def test_clone_and_a_second_session_share_the_replicas(lm, cluster, messages, local_texts):
