@@ -2,12 +2,22 @@
 from __future__ import annotations
 
 import os
+import signal
+
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from batchprompt.data import SPAM_SYSTEM, read_sms  # noqa: E402,F401  (re-exported for tests)
+
+
+def sigint_default() -> None:
+    """`preexec_fn` of a child process that a test interrupts with SIGINT (Ctrl-C). Python turns
+    SIGINT into KeyboardInterrupt only if SIGINT is not ignored when it starts; a non-interactive
+    shell starts background commands (`make test &`, nohup) with SIGINT ignored, and children
+    inherit that, so there such a child ran on as if Ctrl-C had never come."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def sms_rows(n: int | None = None) -> list[tuple[str, str]]:

@@ -17,7 +17,7 @@ from openai.types.chat import ChatCompletion
 from batchprompt.cli import main
 from batchprompt.jobs import JobOptions, run_job
 
-from ..conftest import SPAM_SYSTEM, sms_rows
+from ..conftest import SPAM_SYSTEM, sigint_default, sms_rows
 
 CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
 
@@ -259,7 +259,7 @@ def test_dtype_context_and_kv_size_reach_the_engine(tmp_path):
 def _start(inp: Path, out: Path) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.Popen([sys.executable, "-m", "batchprompt", "run", str(inp), "-o", str(out), "--no-progress"],
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env, preexec_fn=sigint_default)
 
 
 def _journaled(out: Path) -> int:

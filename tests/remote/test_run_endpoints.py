@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..conftest import sigint_default
 from .conftest import pool_of
 from .fault_proxy import FaultProxy
 
@@ -26,7 +27,7 @@ def _write_input(path: Path, n: int) -> None:
 def _run(*args: str, **kw) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONFAULTHANDLER": "1"}  # SIGABRT prints every thread's stack
     return subprocess.Popen([sys.executable, "-m", "batchprompt", "run", *args, "--no-progress"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default, **kw)
 
 
 def _journal_rows(path: Path) -> int:
