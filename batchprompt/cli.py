@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("input", metavar="INPUT", help="input file, or - for stdin (JSONL)")
     run.add_argument("-o", "--output", required=True, metavar="OUTPUT", help="output file, or - for stdout")
     run.add_argument("--model", default=None,
-                     help="a .gguf file, a local Hugging Face directory, a hub id (default: the embedded SmolLM2-135M)")
+                     help="a .gguf file, a local Hugging Face directory, a hub id (default: the embedded SmolLM2-135M); "
+                          "with --endpoints, the name the servers serve it under")
     run.add_argument("--system", default=None, help="system prompt for rows that have none")
     run.add_argument("--max-tokens", type=int, default=256, metavar="N",
                      help="tokens to generate when a row's body gives no max_tokens (default 256)")

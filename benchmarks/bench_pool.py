@@ -27,7 +27,6 @@ import asyncio
 import os
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -35,11 +34,12 @@ import time
 from pathlib import Path
 
 from common import ROOT, save_results
+from server_process import ServerProcess
 
 import httpx
 
 sys.path.insert(0, str(ROOT))
-from tests.remote.fault_proxy import FaultProxy, free_port  # noqa: E402
+from tests.remote.fault_proxy import FaultProxy  # noqa: E402
 
 import batchprompt as bp  # noqa: E402
 from batchprompt.engine import SamplingParams  # noqa: E402
@@ -48,26 +48,8 @@ from batchprompt.remote import wire  # noqa: E402
 TOPICS = ["astronomy", "cooking", "gardening", "sailing", "chess", "geology", "music", "poetry"]
 
 
-def start_server(tmp: Path, name: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    log = open(tmp / f"{name}.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "batchprompt.server", "--port", str(port), "--max-num-seqs", "64",
-                             "--log-level", "warning", "--data-dir", str(tmp / name)], stdout=log, stderr=subprocess.STDOUT,
-                            env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server {name} exited: {(tmp / f'{name}.log').read_text()[-2000:]}")
-        try:
-            if httpx.get(url + "/ready", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"server {name} not ready in 600s")
-        time.sleep(0.5)
+def start_server(tmp: Path, name: str) -> ServerProcess:
+    return ServerProcess(tmp, name, ["--max-num-seqs", "64"], env={"OMP_NUM_THREADS": "1"})
 
 
 def posts(proxies: list[FaultProxy]) -> int:
@@ -155,7 +137,7 @@ def main() -> None:
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-pool-"))
     servers = [start_server(tmp, f"s{i}") for i in range(3)]
-    proxies = [FaultProxy(url) for _, url in servers]
+    proxies = [FaultProxy(s.url) for s in servers]
     urls = [p.url for p in proxies]
     tok = bp.EndpointPool(urls).tokenizer
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
@@ -170,13 +152,12 @@ def main() -> None:
             proxies[2].slow_factor = 3.0 if setup == "slow" else 1.0
             runs += 1
             prompts = make_prompts(tok, args.groups, args.per_group, f"run{runs}")
-            if setup == "killed" and servers[2][0].poll() is not None:  # restart the killed one
-                proc, url = start_server(tmp, f"s2-{runs}")
-                servers[2] = (proc, url)
+            if setup == "killed" and not servers[2].alive():  # restart the killed one
+                servers[2] = start_server(tmp, f"s2-{runs}")
                 proxies[2].close()
-                proxies[2] = FaultProxy(url, port=proxies[2].port)
+                proxies[2] = FaultProxy(servers[2].url, port=proxies[2].port)
             requests0 = posts(proxies)
-            counts0 = cache_counters([u for _, u in servers])
+            counts0 = cache_counters([s.url for s in servers])
             # The pool and its backend are made before the clock starts, as round-robin's prompts
             # are: the backend loads the tokenizer (5 s here), once per process, not per batch.
             pool = bp.EndpointPool(urls) if client == "pool" else None
@@ -184,7 +165,7 @@ def main() -> None:
                 pool.as_backend()
             killer = None
             if setup == "killed":
-                victim = servers[2][0]
+                victim = servers[2].proc
                 killer = threading.Timer(3.0, lambda v=victim: v.send_signal(signal.SIGKILL))
                 killer.start()
             t0 = time.perf_counter()
@@ -195,7 +176,7 @@ def main() -> None:
             seconds = time.perf_counter() - t0
             if killer is not None:
                 killer.cancel()
-            counts1 = cache_counters([u for _, u in servers])
+            counts1 = cache_counters([s.url for s in servers])
             requests = posts(proxies) - requests0
             hit = hit_rate(counts0, counts1)
             row = {"setup": setup, "client": client, "seconds": round(seconds, 1), "requests": requests,
@@ -206,14 +187,11 @@ def main() -> None:
     finally:
         for p in proxies:
             p.close()
-        for proc, _ in servers:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc, _ in servers:
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        for server in servers:
+            if server.alive():
+                server.proc.send_signal(signal.SIGTERM)
+        for server in servers:
+            server.stop()
     best: dict = {}
     for r in rows:  # the best run of each (setup, client)
         key = (r["setup"], r["client"])

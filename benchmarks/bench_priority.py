@@ -30,15 +30,14 @@ import json
 import os
 import random
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from common import ROOT, save_results
+from common import save_results
+from server_process import ServerProcess
 
 import httpx
 import numpy as np
@@ -49,52 +48,17 @@ from batchprompt.data import SPAM_SYSTEM, read_sms
 MODES = {"fifo": ["--no-priority"], "admission": ["--priority-slowdown", "off"], "priority": []}
 LABELS = {"fifo": "first come (--no-priority)", "admission": "priority, no step limit (--priority-slowdown off)",
           "priority": "priority (default: --priority-slowdown 2)"}
-READY_S, STOP_S = 600, 60
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(ServerProcess):
+    """The server under test, with a sync OpenAI client and its engine's counters."""
 
-
-class Server:
     def __init__(self, flags: list[str], tmp: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tmp / "server.log"
-        cmd = [sys.executable, "-m", "batchprompt.server", "--host", "127.0.0.1", "--port", str(self.port),
-               "--data-dir", str(tmp / "data"), "--log-level", "warning", *flags]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-        env.pop("BATCHPROMPT_API_KEY", None)
-        with open(self.log, "wb") as f:
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        deadline = time.monotonic() + READY_S
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log.read_text()}")
-            try:
-                if httpx.get(self.url + "/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the server was not ready within {READY_S}s")
-            time.sleep(0.5)
+        super().__init__(tmp, "server", flags)
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
     def stats(self) -> dict:
         return httpx.get(self.url + "/v1/batch/stats", timeout=60).json()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(STOP_S)
 
 
 def question(rng: random.Random) -> str:

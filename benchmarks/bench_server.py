@@ -24,8 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,62 +31,16 @@ import time
 from pathlib import Path
 
 from common import ROOT, save_results
+from server_process import ServerProcess
 
-import httpx
 import numpy as np
 import openai
-import psutil
 
 from batchprompt.data import SPAM_SYSTEM, read_sms
 
-READY_S, STOP_S, JOB_S = 600, 60, 1800
+JOB_S = 1800
 MAX_TOKENS = 8
 WARM_UP = 64
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(tmp: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "batchprompt", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--data-dir", str(tmp / "data"), "--log-level", "warning"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("BATCHPROMPT_API_KEY", None)
-    with open(tmp / "server.log", "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    deadline = time.monotonic() + READY_S
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}:\n{(tmp / 'server.log').read_text()}")
-        try:
-            if httpx.get(url + "/ready", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            stop_server(proc)
-            raise RuntimeError(f"the server was not ready within {READY_S}s")
-        time.sleep(0.5)
-
-
-def stop_server(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(STOP_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(STOP_S)
-    return proc.returncode
-
-
-def rss_mib(proc: subprocess.Popen) -> float:
-    return psutil.Process(proc.pid).memory_info().rss / 2**20
 
 
 def messages(text: str) -> list[dict]:
@@ -133,13 +85,13 @@ def send_all(url: str, texts: list[str], clients: int):
     return asyncio.run(_send_all(url, texts, clients))
 
 
-def run_jobs(url: str, texts: list[str], jobs: int, proc: subprocess.Popen) -> list[dict]:
+def run_jobs(server: ServerProcess, texts: list[str], jobs: int) -> list[dict]:
     """`jobs` Batch API jobs of `texts`, one after another; each one's status, time and the RSS after it."""
     lines = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
                                 "body": {"model": "smollm2-135m", "messages": messages(t),
                                          "max_tokens": MAX_TOKENS, "temperature": 0}}) + "\n"
                     for i, t in enumerate(texts)).encode()
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     done = []
     for k in range(jobs):
         t0 = time.perf_counter()
@@ -155,7 +107,7 @@ def run_jobs(url: str, texts: list[str], jobs: int, proc: subprocess.Popen) -> l
         counts = batch.request_counts
         output = client.files.content(batch.output_file_id).text if batch.output_file_id else ""
         done.append({"status": batch.status, "completed": counts.completed, "failed": counts.failed,
-                     "output_lines": len(output.splitlines()), "seconds": seconds, "rss_mib": rss_mib(proc)})
+                     "output_lines": len(output.splitlines()), "seconds": seconds, "rss_mib": server.rss_mib()})
     return done
 
 
@@ -241,21 +193,22 @@ def main() -> None:
     load = {"start": os.getloadavg()[0]}
     peers = [run_peer(args.requests, args.clients)]
     load["after in-process 1"] = os.getloadavg()[0]
-    proc, url = start_server(tmp)
-    rss = {"ready": rss_mib(proc)}
+    server = ServerProcess(tmp, "server")
+    url = server.url
+    rss = {"ready": server.rss_mib()}
     try:
         _, _, warm_errors, _ = send_all(url, warm or texts[:WARM_UP], args.clients)
-        rss["after warm-up"] = rss_mib(proc)
+        rss["after warm-up"] = server.rss_mib()
         lat1, out1, err1, s1 = send_all(url, texts[:half], args.clients)
-        rss[f"after {half} requests"] = rss_mib(proc)
+        rss[f"after {half} requests"] = server.rss_mib()
         lat2, out2, err2, s2 = send_all(url, texts[half:], args.clients)
-        rss[f"after {len(texts)} requests"] = rss_mib(proc)
+        rss[f"after {len(texts)} requests"] = server.rss_mib()
         load["server"] = os.getloadavg()[0]
-        jobs = run_jobs(url, texts[:args.job_rows], args.jobs, proc)
+        jobs = run_jobs(server, texts[:args.job_rows], args.jobs)
         for k, job in enumerate(jobs):
             rss[f"after Batch API job {k + 1} ({job['completed']} rows)"] = job["rss_mib"]
     finally:
-        status = stop_server(proc)
+        status = server.stop()
     server_texts = out1 + out2
     latencies, errors, seconds = lat1 + lat2, warm_errors + err1 + err2, s1 + s2
 
