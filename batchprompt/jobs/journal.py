@@ -11,6 +11,7 @@ when a row's id holds a lone surrogate (it is kept with JSON escapes).
 from __future__ import annotations
 
 import json
+import secrets
 import sqlite3
 import time
 from contextlib import contextmanager
@@ -55,6 +56,9 @@ class Journal:
                 self.db.execute("DELETE FROM rows")
                 self.db.execute("DELETE FROM meta")
         self.set("fingerprint", fingerprint)
+        #: This job's own id (kept across resumes; new with restart): it scopes the ids of its lines.
+        self.job_id = self.get("job_id") or secrets.token_hex(8)
+        self.set("job_id", self.job_id)
         self.commit_every, self.commit_seconds = commit_every, commit_seconds
         self._pending: list[tuple[int, str | None, int, str, int, int]] = []
         self._last_commit = time.monotonic()

@@ -11,21 +11,25 @@ from .rows import CHAT, Row, RowError
 FINISH = {"stop": "stop", "length": "length"}
 
 
-def _id(prefix: str, *parts: object) -> str:
+def _id(prefix: str, job: str, custom_id: str | None, line: int) -> str:
+    """The id of a row's line: the same for the same row of the same job (a resumed job writes
+    what it would have written), different across jobs (ids are keys: OpenAI's are unique)."""
     # surrogatepass: an id holding a lone surrogate still hashes (its row is an error, not a crash)
-    return prefix + hashlib.sha256(":".join(map(str, parts)).encode("utf-8", "surrogatepass")).hexdigest()[:24]
+    key = f"{job}:{custom_id}:{line}".encode("utf-8", "surrogatepass")
+    return prefix + hashlib.sha256(key).hexdigest()[:24]
 
 
 def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
-                  token_text: Callable[[int], str]) -> dict[str, Any]:
-    """The body OpenAI would return for this row (one Result per choice, n of them)."""
+                  token_text: Callable[[int], str], job: str = "") -> dict[str, Any]:
+    """The body OpenAI would return for this row (one Result per choice, n of them); `job`
+    scopes its id (see _id)."""
     prompt_tokens = choices[0].usage.prompt_tokens
     completion = sum(r.usage.completion_tokens for r in choices)
     cached = choices[0].usage.cached_tokens
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
              "total_tokens": prompt_tokens + completion,
              "prompt_tokens_details": {"cached_tokens": cached}}
-    rid = _id("chatcmpl-" if row.url == CHAT else "cmpl-", row.custom_id, row.line)
+    rid = _id("chatcmpl-" if row.url == CHAT else "cmpl-", job, row.custom_id, row.line)
     if row.url == CHAT:
         out = []
         for i, r in enumerate(choices):
@@ -69,20 +73,20 @@ def _tops(r: Result) -> list[list[tuple[int, float]]] | None:
     return r.top_logprobs
 
 
-def output_line(row: Row, body: dict[str, Any]) -> dict[str, Any]:
-    return {"id": _id("batch_req_", row.custom_id, row.line), "custom_id": row.custom_id,
-            "response": {"status_code": 200, "request_id": _id("req_", row.custom_id, row.line), "body": body},
+def output_line(row: Row, body: dict[str, Any], job: str = "") -> dict[str, Any]:
+    return {"id": _id("batch_req_", job, row.custom_id, row.line), "custom_id": row.custom_id,
+            "response": {"status_code": 200, "request_id": _id("req_", job, row.custom_id, row.line), "body": body},
             "error": None}
 
 
-def error_line(line: int, custom_id: str | None, code: str, message: str) -> dict[str, Any]:
+def error_line(line: int, custom_id: str | None, code: str, message: str, job: str = "") -> dict[str, Any]:
     """A failed row, in the shape of OpenAI's batch error file, plus the input line number."""
-    return {"id": _id("batch_req_", custom_id, line), "custom_id": custom_id, "response": None,
+    return {"id": _id("batch_req_", job, custom_id, line), "custom_id": custom_id, "response": None,
             "error": {"code": code, "message": message, "line": line}}
 
 
-def row_error_line(err: RowError) -> dict[str, Any]:
-    return error_line(err.line, err.custom_id, err.code, err.message)
+def row_error_line(err: RowError, job: str = "") -> dict[str, Any]:
+    return error_line(err.line, err.custom_id, err.code, err.message, job)
 
 
 def now() -> int:

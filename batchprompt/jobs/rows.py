@@ -216,9 +216,19 @@ def read_jsonl(raw: bytes) -> list[Row | RowError]:
     return rows
 
 
+def json_loads(text: str | bytes) -> Any:
+    """json.loads, with JSON nested too deeply for it (a RecursionError) as a JSONDecodeError,
+    so that such input is refused like any other bad JSON."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        doc = text if isinstance(text, str) else text.decode("utf-8", "replace")
+        raise json.JSONDecodeError("nested too deeply (the limit is about 1,000 levels)", doc, 0) from None
+
+
 def parse_line(n: int, line: str) -> Row | RowError:
     try:
-        obj = json.loads(line)
+        obj = json_loads(line)
     except json.JSONDecodeError as e:
         where = "column" if e.msg.endswith(" at") else "at column"  # "Unterminated string starting at"
         return RowError(n, None, "invalid_json", f"line {n}: not valid JSON ({e.msg} {where} {e.colno})")

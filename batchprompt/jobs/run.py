@@ -285,7 +285,7 @@ class JobRun:
             self.say(f"resuming: {len(done)} of {len(table.rows)} rows are already done (journal {journal.path})")
         for r in table.rows:  # unreadable rows are answered now
             if isinstance(r, RowError) and r.line not in done:
-                journal.record(r.line, r.custom_id, False, openai_io.row_error_line(r))
+                journal.record(r.line, r.custom_id, False, openai_io.row_error_line(r, journal.job_id))
                 done.add(r.line)
         todo = [r for r in table.rows if isinstance(r, Row) and r.line not in done]
 
@@ -344,7 +344,7 @@ class JobRun:
             except Exception as e:  # any failure to prepare one row (a chat template that raises) is its own
                 if journal is not None:
                     journal.record(row.line, row.custom_id, False, openai_io.error_line(
-                        row.line, row.custom_id, "invalid_request", f"line {row.line}: {e}"))
+                        row.line, row.custom_id, "invalid_request", f"line {row.line}: {e}", journal.job_id))
                 continue
             p = Pending(row, n, [None] * n)
             for choice, cp in enumerate(per_choice):
@@ -405,7 +405,7 @@ class JobRun:
                     p.choices[choice] = result
                     if any(c is None for c in p.choices):
                         continue
-                    ok, record, usage = self._answer(p, model_name, created, token_text)
+                    ok, record, usage = self._answer(p, model_name, created, token_text, journal.job_id)
                     errors += not ok
                     if not ok and any(c.retryable for c in p.choices):
                         self._not_run[p.row.line] = record_json(record)
@@ -432,7 +432,7 @@ class JobRun:
         return interrupted_by
 
     @staticmethod
-    def _answer(p: Pending, model_name: str, created: int, token_text) -> tuple[bool, dict, tuple[int, int]]:
+    def _answer(p: Pending, model_name: str, created: int, token_text, job: str) -> tuple[bool, dict, tuple[int, int]]:
         """(ok, journal record, (prompt, completion) tokens) of a row whose choices are all in."""
         row = p.row
         failed = next((c for c in p.choices if c.error is not None), None)
@@ -441,13 +441,13 @@ class JobRun:
             message = f"line {row.line}: {failed.error}"
             if any(c.retryable for c in p.choices):
                 code, message = "not_run", f"{message} (the row did not run: run the same command again to run it)"
-            return False, openai_io.error_line(row.line, row.custom_id, code, message), (0, 0)
+            return False, openai_io.error_line(row.line, row.custom_id, code, message, job), (0, 0)
         try:
-            body = openai_io.response_body(row, p.choices, model_name, created, token_text)
+            body = openai_io.response_body(row, p.choices, model_name, created, token_text, job)
         except Exception as e:  # one row's answer that cannot be shaped is that row's error, not the job's
             return False, openai_io.error_line(row.line, row.custom_id, "request_failed",
-                                               f"line {row.line}: {type(e).__name__}: {e}"), (0, 0)
-        return (True, openai_io.output_line(row, body),
+                                               f"line {row.line}: {type(e).__name__}: {e}", job), (0, 0)
+        return (True, openai_io.output_line(row, body, job),
                 (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]))
 
     # ---- outputs ----------------------------------------------------------------------------

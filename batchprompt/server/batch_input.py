@@ -85,7 +85,7 @@ def _parse(n: int, chunk: bytes, fail) -> dict | None:
         fail(n, "invalid_utf8", f"line {n}: not valid UTF-8 (byte {e.start + 1} of the line); save the file as UTF-8")
         return None
     try:
-        obj = json.loads(text)
+        obj = job_rows.json_loads(text)
     except json.JSONDecodeError as e:
         fail(n, "invalid_json", f"line {n}: not valid JSON ({e.msg} at column {e.colno})")
         return None

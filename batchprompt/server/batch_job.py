@@ -171,13 +171,13 @@ class BatchJob:
         done = await api.io(journal.done_lines)
         for r in rows:  # requests whose body is wrong are answered at once
             if isinstance(r, RowError) and r.line not in done:
-                await api.io(self._record, journal, r.line, r.custom_id, False, refused_line(r))
+                await api.io(self._record, journal, r.line, r.custom_id, False, refused_line(r, self.id))
         todo = [r for r in rows if isinstance(r, Row) and r.line not in done]
         if not todo:
             return
         service = api.state.service()
         tokenizer = service.tokenizer
-        plan = await asyncio.to_thread(plan_rows, todo, tokenizer, service.max_model_len)
+        plan = await asyncio.to_thread(plan_rows, todo, tokenizer, service.max_model_len, self.id)
         for row, line in plan.refused:
             await api.io(self._record, journal, row.line, row.custom_id, False, line)
         if self.ending is not None or not plan.items:
@@ -201,7 +201,7 @@ class BatchJob:
             pending.choices[choice] = result
             if any(c is None for c in pending.choices):
                 continue
-            a = answer(pending, model, created, token_text)
+            a = answer(pending, model, created, token_text, self.id)
             await self.api.io(self._record, journal, pending.row.line, pending.row.custom_id, a.ok, a.record,
                               a.prompt_tokens, a.completion_tokens, a.cached_tokens)
 
@@ -226,7 +226,7 @@ class BatchJob:
         if ending == "completed":
             await api.update(self.id, status="finalizing", finalizing_at=int(time.time()))
         for r in missing:
-            line = refused_line(r) if isinstance(r, RowError) else unfinished_line(r, ending)
+            line = refused_line(r, self.id) if isinstance(r, RowError) else unfinished_line(r, ending, self.id)
             await api.io(self._record, journal, r.line, r.custom_id, False, line)
         batch = await api.ensure_files(self.id)
         sizes = await api.io(self._write_files, journal, batch["output_file_id"], batch["error_file_id"])

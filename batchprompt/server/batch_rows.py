@@ -32,19 +32,20 @@ class Plan:
     refused: list[tuple[Row, dict[str, Any]]] = field(default_factory=list)  # (request, its error line)
 
 
-def plan_rows(rows: list[Row], tokenizer, max_model_len: int) -> Plan:
-    """The engine's items for `rows`; a request that cannot run is refused with its error line."""
+def plan_rows(rows: list[Row], tokenizer, max_model_len: int, job: str = "") -> Plan:
+    """The engine's items for `rows`; a request that cannot run is refused with its error line
+    (`job`, the batch's id, scopes the lines' ids: openai_io._id)."""
     plan = Plan()
     for row in rows:
         try:
             choices = plan_row(row, tokenizer, max_model_len)
         except ApiError as e:
             plan.refused.append((row, openai_io.error_line(row.line, row.custom_id, e.code or "invalid_request",
-                                                           f"line {row.line}: {e.message}")))
+                                                           f"line {row.line}: {e.message}", job)))
             continue
         except Exception as e:  # noqa: BLE001  (whatever fails to plan one request is its own error)
             plan.refused.append((row, openai_io.error_line(row.line, row.custom_id, "invalid_request",
-                                                           f"line {row.line}: {type(e).__name__}: {e}")))
+                                                           f"line {row.line}: {type(e).__name__}: {e}", job)))
             continue
         pending = Pending(row, [None] * len(choices))
         for c in choices:
@@ -62,27 +63,28 @@ class Answer:
     cached_tokens: int = 0
 
 
-def answer(p: Pending, model: str, created: int, token_text: Callable[[int], str]) -> Answer:
+def answer(p: Pending, model: str, created: int, token_text: Callable[[int], str], job: str = "") -> Answer:
     """The line of a request whose choices are all in."""
     row = p.row
     failed = next((c for c in p.choices if c.error is not None), None)
     if failed is not None:
         code = "context_length_exceeded" if "shorten the prompt" in failed.error else "request_failed"
-        return Answer(False, openai_io.error_line(row.line, row.custom_id, code, f"line {row.line}: {failed.error}"))
+        return Answer(False, openai_io.error_line(row.line, row.custom_id, code, f"line {row.line}: {failed.error}",
+                                                  job))
     try:
-        body = openai_io.response_body(row, p.choices, model, created, token_text)
+        body = openai_io.response_body(row, p.choices, model, created, token_text, job)
     except Exception as e:  # noqa: BLE001  (an answer that cannot be shaped is its request's error)
         return Answer(False, openai_io.error_line(row.line, row.custom_id, "request_failed",
-                                                  f"line {row.line}: {type(e).__name__}: {e}"))
+                                                  f"line {row.line}: {type(e).__name__}: {e}", job))
     usage = body["usage"]
-    return Answer(True, openai_io.output_line(row, body), usage["prompt_tokens"], usage["completion_tokens"],
+    return Answer(True, openai_io.output_line(row, body, job), usage["prompt_tokens"], usage["completion_tokens"],
                   usage["prompt_tokens_details"]["cached_tokens"])
 
 
-def refused_line(err: RowError) -> dict[str, Any]:
-    return openai_io.row_error_line(err)
+def refused_line(err: RowError, job: str = "") -> dict[str, Any]:
+    return openai_io.row_error_line(err, job)
 
 
-def unfinished_line(row: Row | RowError, ended: str) -> dict[str, Any]:
+def unfinished_line(row: Row | RowError, ended: str, job: str = "") -> dict[str, Any]:
     code, message = UNFINISHED[ended]
-    return openai_io.error_line(row.line, row.custom_id, code, f"line {row.line}: {message}")
+    return openai_io.error_line(row.line, row.custom_id, code, f"line {row.line}: {message}", job)

@@ -6,7 +6,6 @@ The models are strict (no "1" for 1) and allow other fields: vLLM's extra parame
 OpenAI's fields we ignore pass through to the job reader, which knows them."""
 from __future__ import annotations
 
-import json
 from typing import Any, Type
 
 from fastapi import Request
@@ -14,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import ClientDisconnect
 
+from ..jobs.rows import json_loads
 from .errors import ApiError
 
 CLIENT_GONE = 499  # nginx's "client closed request": what the metrics count it as
@@ -83,7 +83,7 @@ async def read_json(request: Request, schema: Type[BaseModel]) -> dict[str, Any]
     except ClientDisconnect:
         raise ApiError(CLIENT_GONE, "the client went away while sending the body", "client_disconnected") from None
     try:
-        obj = json.loads(raw)
+        obj = json_loads(raw)
     except ValueError as e:  # JSONDecodeError, and bytes that are not UTF-8
         raise ApiError(400, f"the body is not valid JSON ({e}); send a JSON object with "
                             f"Content-Type: application/json", "invalid_json") from None

@@ -66,3 +66,23 @@ def test_a_full_disk_rolls_back_keeps_the_committed_rows_and_says_so(tmp_path):
     j = Journal(path, "fp")
     assert j.done_lines() == set(range(1, kept + 1))
     j.close()
+
+
+def test_a_job_keeps_its_id_across_resumes_and_scopes_its_lines_ids(tmp_path):
+    """Output ids are unique per job, as OpenAI's are per request (they were a hash of custom_id
+    and line only: the same in every job over the same file), and stable within one job."""
+    from batchprompt.jobs import openai_io
+
+    a = Journal(tmp_path / "a.sqlite", "fp")
+    job_a = a.job_id
+    a.close()
+    a = Journal(tmp_path / "a.sqlite", "fp")
+    assert a.job_id == job_a  # a resume writes what the first run would have
+    b = Journal(tmp_path / "b.sqlite", "fp")
+    assert b.job_id != job_a
+    line = lambda job: openai_io.error_line(1, "r0", "request_failed", "m", job)  # noqa: E731
+    assert line(a.job_id)["id"] == line(job_a)["id"] != line(b.job_id)["id"]
+    restarted = Journal(tmp_path / "b.sqlite", "fp", restart=True)
+    assert restarted.job_id != b.job_id
+    for j in (a, b, restarted):
+        j.close()

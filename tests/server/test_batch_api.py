@@ -145,6 +145,11 @@ def test_lists_page_with_after_and_limit(client):
                                          completion_window="24h").id)
     for batch_id in ids:
         wait_ended(client, batch_id)
+    # The same line in three batches: OpenAI's ids are unique per request, so are ours (they
+    # were a hash of custom_id and line only, the same in every batch).
+    outs = [lines_of(client, client.batches.retrieve(b).output_file_id)[0] for b in ids]
+    for key in (lambda o: o["id"], lambda o: o["response"]["request_id"], lambda o: o["response"]["body"]["id"]):
+        assert len({key(o) for o in outs}) == 3, [key(o) for o in outs]
     newest = ids[::-1]
     first = client.batches.list(limit=2)
     assert [b.id for b in first.data] == newest[:2] and first.has_more

@@ -131,6 +131,7 @@ def test_structured_output_json_schema(server):
 @pytest.mark.parametrize("body, status, code", [
     (b'{"messages": [', 400, "invalid_json"),
     (b'[1, 2]', 400, "invalid_json"),
+    (b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "invalid_json"),  # was a 500 (RecursionError)
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, None),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, None),
     ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, None),
