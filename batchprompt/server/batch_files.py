@@ -32,6 +32,8 @@ def file_json(record: dict[str, Any], size: int | None = None) -> dict[str, Any]
 
 
 def check_purpose(purpose: Any) -> str:
+    if purpose is None:
+        raise ApiError(400, "purpose is required: send purpose=batch with the file", "missing_purpose", "purpose")
     if purpose not in PURPOSES:
         raise ApiError(400, f"purpose {purpose!r} is not supported: this server keeps files for the Batch API "
                             f"only; send purpose=batch", "invalid_purpose", "purpose")

@@ -124,6 +124,10 @@ def serve(config, log_level: str = "info") -> int:
     if config.api_key is None and not config.loopback:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
                     config.host)
+    in_use = _port_in_use(config.host, config.port)
+    if in_use:  # before the model loads (a minute on a big one), not after
+        return _fail(f"cannot listen on {config.host}:{config.port} ({in_use}): stop what holds it, or choose "
+                     f"another --port")
     log.info("loading %s", state.model_id)
     try:
         with sigterm_as_interrupt():  # Ctrl-C or SIGTERM while loading: stop, as cleanly
@@ -140,6 +144,25 @@ def serve(config, log_level: str = "info") -> int:
     finally:
         shutdown(state.model_key)  # the engine's threads end; its memory is freed
     return 0
+
+
+def _port_in_use(host: str, port: int) -> str | None:
+    """Why (host, port) cannot be listened on now, or None. Bound as uvicorn binds it (with
+    SO_REUSEADDR, so a port in TIME_WAIT passes), then released for it."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
 
 
 def _fail(message: str) -> int:

@@ -55,7 +55,7 @@ def plan_chat(body: dict, tokenizer, max_model_len: int) -> Plan:
     # Unset max_tokens: the rest of the context, as vLLM (the engine stops at the context's end).
     opts = JobOptions(input="-", output="-", max_tokens=max_model_len, temperature=TEMPERATURE)
     params, n, spec = _params(row, opts, tokenizer)
-    ids = _checked(_render(row, tokenizer), max_model_len, "the messages")
+    ids = _checked(_render(row, tokenizer), max_model_len, "the messages", _asked_tokens(body, params))
     return Plan(rid, [row], n, _choices([ids], params, n, spec), _token_text(tokenizer))
 
 
@@ -73,7 +73,7 @@ def plan_completion(body: dict, tokenizer, max_model_len: int) -> Plan:
         row = replace(base, prompt=prompt if isinstance(prompt, str) else None)
         ids = _render(row, tokenizer) if isinstance(prompt, str) else list(prompt)
         rows.append(row)
-        all_ids.append(_checked(ids, max_model_len, what))
+        all_ids.append(_checked(ids, max_model_len, what, params.max_tokens))
     return Plan(rid, rows, n, _choices(all_ids, params, n, spec), _token_text(tokenizer))
 
 
@@ -85,7 +85,8 @@ def plan_row(row: Row, tokenizer, max_model_len: int) -> list[Prepared]:
     opts = JobOptions(input="-", output="-", max_tokens=max_model_len if row.url == CHAT else COMPLETION_MAX_TOKENS,
                       temperature=TEMPERATURE)
     params, n, spec = _params(row, opts, tokenizer)
-    ids = _checked(_render(row, tokenizer), max_model_len, "the prompt")
+    asked = _asked_tokens(row.body, params) if row.url == CHAT else params.max_tokens
+    ids = _checked(_render(row, tokenizer), max_model_len, "the messages" if row.url == CHAT else "the prompt", asked)
     return _choices([ids], params, n, spec)
 
 
@@ -149,10 +150,24 @@ def _render(row: Row, tokenizer) -> list[int]:
         raise ApiError(400, f"the prompt cannot be rendered: {type(e).__name__}: {e}", "invalid_prompt") from None
 
 
-def _checked(ids: list[int], max_model_len: int, what: str) -> list[int]:
+def _asked_tokens(body: dict, params) -> int | None:
+    """A chat's max_tokens when the body gives one (unset: the rest of the context)."""
+    given = body.get("max_completion_tokens", body.get("max_tokens"))
+    return params.max_tokens if given is not None else None
+
+
+def _checked(ids: list[int], max_model_len: int, what: str, max_tokens: int | None) -> list[int]:
+    """The prompt's ids, or a 400 where the prompt plus `max_tokens` (when asked for) does not
+    fit the context: vLLM's rule, rather than an answer cut short at the context's end."""
+    verb = "have" if what == "the messages" else "has"
     if len(ids) >= max_model_len:
-        raise ApiError(400, f"{what} has {len(ids)} tokens, but the context holds {max_model_len} (prompt plus at "
+        raise ApiError(400, f"{what} {verb} {len(ids)} tokens, but the context holds {max_model_len} (prompt plus at "
                             f"least one generated token): shorten it", "context_length_exceeded")
+    if max_tokens is not None and len(ids) + max_tokens > max_model_len:
+        raise ApiError(400, f"the context holds {max_model_len} tokens, but this request asks for "
+                            f"{len(ids) + max_tokens}: {len(ids)} in {what} and max_tokens {max_tokens}; lower "
+                            f"max_tokens to at most {max_model_len - len(ids)} or shorten the prompt",
+                       "context_length_exceeded", "max_tokens")
     return ids
 
 

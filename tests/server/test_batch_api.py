@@ -130,6 +130,9 @@ def test_upload_errors(server, client):
         client.files.create(file=("big.jsonl", b"x" * (MAX_FILE_BYTES + 1)), purpose="batch")
     assert e.value.status_code == 413
     with server.client() as c:
+        r = c.post("/v1/files", files={"file": ("a.jsonl", b"{}\n")})  # no purpose: was "purpose None is not ..."
+        assert r.status_code == 400 and error_of(r)["code"] == "missing_purpose", r.text
+        assert error_of(r)["message"].startswith("purpose is required") and error_of(r)["param"] == "purpose"
         r = c.post("/v1/files", json={"purpose": "batch"})  # not multipart
         assert r.status_code == 400 and error_of(r)["code"] == "missing_file"
         r = c.post("/v1/files", content=b"--x\r\nbroken", headers={"Content-Type": "multipart/form-data; boundary=x"})

@@ -67,6 +67,21 @@ def test_bad_options_exit_2_before_loading(tmp_path):
         assert words in p.stderr
 
 
+def test_a_port_in_use_exits_2_naming_it(tmp_path):
+    """It loaded the model first, then uvicorn failed to bind (exit 3 and uvicorn's own error)."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "batchprompt.server", "--port", str(port), "--data-dir",
+                            str(tmp_path / "data")], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in p.stderr and "another --port" in p.stderr, p.stderr
+    assert "loading" not in p.stderr, p.stderr
+
+
 def test_ctrl_c_cancels_requests_in_flight_and_exits_0(server):
     answers: dict = {}
 

@@ -133,6 +133,8 @@ def test_structured_output_json_schema(server):
     (b'[1, 2]', 400, "invalid_json"),
     (b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "invalid_json"),  # was a 500 (RecursionError)
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, None),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}, 400,
+     "invalid_parameter"),  # without stream: true (OpenAI refuses it too)
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, None),
     ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, None),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "invalid_messages"),

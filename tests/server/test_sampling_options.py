@@ -40,6 +40,27 @@ def test_max_model_len_reaches_the_engine(server):
     assert error["code"] == "context_length_exceeded" and f"the context holds {MAX_MODEL_LEN}" in error["message"]
 
 
+@pytest.mark.parametrize("route, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100_000}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**29}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}),
+])
+def test_max_tokens_beyond_the_context_is_refused(server, route, body):
+    """As vLLM: prompt plus max_tokens must fit the context (it was taken, and the answer ran on
+    to the context's end: minutes for a client that asked for an impossible length)."""
+    with server.client() as c:
+        r = c.post(route, json=body)
+    assert r.status_code == 400, r.text
+    error = error_of(r)
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "max_tokens"), error
+    assert f"the context holds {MAX_MODEL_LEN} tokens" in error["message"] and "lower max_tokens" in error["message"]
+    with server.client() as c:  # what fits still runs; unset, a chat gets the rest of the context
+        fits = {**body, **({"max_tokens": 2} if "max_tokens" in body else {"max_completion_tokens": 2})}
+        assert c.post(route, json=fits).status_code == 200
+        if route == "/v1/chat/completions":
+            assert c.post(route, json={"messages": body["messages"]}).status_code == 200
+
+
 def test_logit_bias_forces_a_token(server, tokenizer):
     [banana] = tokenizer.encode(" banana", add_special_tokens=False)
     client = server.openai()
