@@ -296,6 +296,10 @@ def _row_from_body(n: int, cid: str, url: str, body: dict) -> Row | RowError:
         return RowError(n, cid, "missing_messages", f"line {n}: a chat completion body needs messages")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
+    if isinstance(prompt, list) and prompt:  # the endpoint's other forms: one answer per line here
+        what = "token ids" if all(isinstance(t, int) for t in prompt) else f"a list of {len(prompt)} prompts"
+        return RowError(n, cid, "unsupported_prompt", f"line {n}: the prompt is {what}; a batch line takes one "
+                                                      f"prompt as text: put each prompt on a line of its own")
     if not isinstance(prompt, str) or not prompt:
         return RowError(n, cid, "missing_prompt", f"line {n}: the line needs a non-empty prompt string or messages")
     if url == COMPLETION_OR_CHAT:  # plain JSONL: the prompt is the user's turn

@@ -42,6 +42,8 @@ def test_openai_lines_and_plain_lines():
     ({"custom_id": "x", "url": CHAT, "body": {"prompt": "p"}}, "missing_messages"),
     ({"custom_id": "x", "url": CHAT, "body": {"messages": [{"role": "user"}]}}, "invalid_messages"),
     ({"custom_id": "x", "url": COMPLETION, "body": {"prompt": ""}}, "missing_prompt"),
+    ({"custom_id": "x", "url": COMPLETION, "body": {"prompt": ["a", "b"]}}, "unsupported_prompt"),  # was "needs a
+    ({"custom_id": "x", "url": COMPLETION, "body": {"prompt": [504, 3]}}, "unsupported_prompt"),  # non-empty prompt"
 ])
 def test_a_bad_line_is_an_error_with_its_line_number(line, code):
     rows = read_jsonl(lines({"prompt": "fine"}, line, {"prompt": "fine too"}))
