@@ -128,7 +128,10 @@ def _row(url: str, body: dict, rid: str) -> Row:
     # is a RowError whose message starts with the line number, which means nothing here.
     row = job_rows.row_from_body(1, rid, url, body)
     if isinstance(row, RowError):
-        raise ApiError(400, row.message.removeprefix("line 1: "), row.code)
+        message = row.message.removeprefix("line 1: ")
+        param = _param_named(message, body)
+        code = "invalid_parameter" if param is not None and row.code == "invalid_request" else row.code
+        raise ApiError(400, message, code, param)
     return row
 
 
@@ -139,8 +142,15 @@ def _params(row: Row, opts: JobOptions, tokenizer):
         if spec is not None:
             params = spec.sampling_params(params, tokenizer)
     except (TypeError, ValueError) as e:
-        raise ApiError(400, str(e), "invalid_parameter") from None
+        raise ApiError(400, str(e), "invalid_parameter", _param_named(str(e), row.body)) from None
     return params, n, spec
+
+
+def _param_named(message: str, body: dict) -> str | None:
+    """The body field an error message is about (they start with its name: "top_p must be ..."),
+    for the error's `param`, as OpenAI fills it."""
+    first = message.split(" ", 1)[0].rstrip(":,")
+    return first if first in body else None
 
 
 def _render(row: Row, tokenizer) -> list[int]:

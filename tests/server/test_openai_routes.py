@@ -128,6 +128,16 @@ def test_structured_output_json_schema(server):
     jsonschema.validate(json.loads(choice.message.content), schema)
 
 
+@pytest.mark.parametrize("field, value", [("max_tokens", -5), ("n", 0), ("top_p", 2), ("temperature", -1),
+                                          ("presence_penalty", 9), ("stop", [""])])
+def test_a_bad_value_names_its_field_in_param(server, field, value):
+    """OpenAI's `param` (it was null for these: the field was named only in the message)."""
+    with server.client() as c:
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], field: value})
+    assert r.status_code == 400, r.text
+    assert (error_of(r)["param"], error_of(r)["code"]) == (field, "invalid_parameter"), r.text
+
+
 @pytest.mark.parametrize("body, status, code", [
     (b'{"messages": [', 400, "invalid_json"),
     (b'[1, 2]', 400, "invalid_json"),
