@@ -177,8 +177,8 @@ _SAMPLING = {
 }
 _OPENAI = {
     **_SAMPLING, "n": _integer(1, 3), "stream": {"type": "boolean"},
-    "stream_options": {"type": "object", "additionalProperties": False,
-                       "properties": {"include_usage": {"type": "boolean"}}},
+    # stream_options with stream: true only (a 400 otherwise, as OpenAI); `anyOf` keeps them paired
+    "stream_options": {"type": "null"},
     "presence_penalty": _number(-2, 2), "frequency_penalty": _number(-2, 2),
     "repetition_penalty": {**_number(0, 2), "exclusiveMinimum": 0},
     "logit_bias": {"type": "object", "maxProperties": 3, "propertyNames": {"pattern": "^[1-9][0-9]{0,3}$"},
@@ -186,7 +186,9 @@ _OPENAI = {
     "include_stop_str_in_output": {"type": "boolean"},
 }
 #: one structured-output option per request: choices for completions, a regex for chat
-_CHOICES = {"guided_choice": {"type": "array", "minItems": 2, "maxItems": 3, "uniqueItems": True, "items": _TEXT}}
+#: (labels of at most 10 tokens: one longer than max_tokens, 16 by default, is refused, rightly)
+_CHOICES = {"guided_choice": {"type": "array", "minItems": 2, "maxItems": 3, "uniqueItems": True,
+                              "items": {"type": "string", "pattern": "^[a-z]{1,10}$"}}}
 _REGEX = {"guided_regex": {"enum": ["[ab]{1,5}", "(yes|no)", "[0-9]+"]}}
 _MESSAGES = {"type": "array", "minItems": 1, "maxItems": 2, "items": {
     "type": "object", "required": ["role", "content"], "additionalProperties": False,
@@ -197,6 +199,15 @@ _PROMPT = {"anyOf": [_TEXT, {"type": "array", "minItems": 1, "maxItems": 3, "ite
 
 def _body(required: list[str], properties: dict) -> dict:
     return {"type": "object", "required": required, "additionalProperties": False, "properties": properties}
+
+
+def _streamed_or_not(body: dict) -> dict:
+    """`body`, or the same streamed (stream: true) with stream_options: they go together."""
+    streamed = copy.deepcopy(body)
+    streamed["properties"]["stream"] = {"const": True}
+    streamed["properties"]["stream_options"] = {"type": "object", "additionalProperties": False,
+                                                "properties": {"include_usage": {"type": "boolean"}}}
+    return {"anyOf": [body, streamed]}
 
 
 RUNNABLE = {
@@ -217,11 +228,11 @@ def runnable_doc(doc: dict, ids: dict[str, str]) -> dict:
     path parameters real ids (`ids`: parameter name -> value, per path family)."""
     doc = copy.deepcopy(doc)
     schemas = doc["components"]["schemas"]
-    schemas["ChatRequest"] = _body(["messages"], {
+    schemas["ChatRequest"] = _streamed_or_not(_body(["messages"], {
         **_OPENAI, **_REGEX, "messages": _MESSAGES, "max_completion_tokens": _integer(1, 12),
-        "logprobs": {"const": True}, "top_logprobs": _integer(0, 5)})  # top_logprobs needs logprobs
-    schemas["CompletionRequest"] = _body(["prompt"], {**_OPENAI, **_CHOICES, "prompt": _PROMPT,
-                                                      "logprobs": _integer(0, 5)})
+        "logprobs": {"const": True}, "top_logprobs": _integer(0, 5)}))  # top_logprobs needs logprobs
+    schemas["CompletionRequest"] = _streamed_or_not(_body(["prompt"], {**_OPENAI, **_CHOICES, "prompt": _PROMPT,
+                                                                       "logprobs": _integer(0, 5)}))
     schemas["BatchRequest"] = _body(["prompts"], {
         **_SAMPLING, "prompts": {"type": "array", "minItems": 1, "maxItems": 4, "items": _TEXT},
         "system": {"anyOf": [_TEXT, {"type": "null"}]}})
