@@ -46,7 +46,7 @@ class Batch:
         self._lock = threading.Lock()  # results, callbacks, subscribers and waiters
         self._results: list[Result | None] = [None] * self.total
         self._order: list[int] = []  # indices in completion order
-        self._failed = self._tokens = 0
+        self._failed = self._cancelled = self._tokens = 0
         self._subscribers: list[Callable[[int, Result], None]] = []
         self._on_result: list[Callable[[int, Result], None]] = []
         self._on_complete: list[Callable[[list[Result]], None]] = []
@@ -114,7 +114,10 @@ class Batch:
                 return
             self._results[result.index] = result
             self._order.append(result.index)
-            self._failed += result.error is not None
+            if result.finish_reason == "cancelled":
+                self._cancelled += 1
+            else:
+                self._failed += result.error is not None
             self._tokens += result.usage.completion_tokens
             complete = len(self._order) == self.total
             subscribers, on_result = list(self._subscribers), list(self._on_result)
@@ -212,7 +215,7 @@ class Batch:
         with self._lock:
             end = self._finished_at or time.monotonic()
             elapsed = end - self._started_at if self._started_at else 0.0
-            return Progress(len(self._order), self.total, self._failed, self._tokens, elapsed)
+            return Progress(len(self._order), self.total, self._failed, self._tokens, elapsed, self._cancelled)
 
     @property
     def results(self) -> list[Result | None]:

@@ -6,11 +6,15 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Progress:
+    """`done` counts every prompt answered: finished, failed or cancelled. `failed` counts
+    those that ended with an error, `cancelled` those a cancel stopped (not failures, as in
+    `BatchFailed`)."""
     done: int
     total: int
     failed: int
     completion_tokens: int
     elapsed_s: float
+    cancelled: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -25,5 +29,6 @@ class Progress:
 
     def __str__(self) -> str:
         eta = "?" if self.eta_s is None else f"{self.eta_s:.0f}s"
-        return (f"{self.done}/{self.total} done ({self.failed} failed), "
+        cancelled = f", {self.cancelled} cancelled" if self.cancelled else ""
+        return (f"{self.done}/{self.total} done ({self.failed} failed{cancelled}), "
                 f"{self.tokens_per_s:,.0f} tok/s, ETA {eta}")

@@ -27,7 +27,7 @@ class JournalMismatch(Exception):
 
 class Journal:
     def __init__(self, path: str | Path, fingerprint: str, restart: bool = False,
-                 commit_every: int = 64, commit_seconds: float = 0.5):
+                 commit_every: int = 64, commit_seconds: float = 0.5, job_id: str | None = None):
         self.path = Path(path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -56,8 +56,9 @@ class Journal:
                 self.db.execute("DELETE FROM rows")
                 self.db.execute("DELETE FROM meta")
         self.set("fingerprint", fingerprint)
-        #: This job's own id (kept across resumes; new with restart): it scopes the ids of its lines.
-        self.job_id = self.get("job_id") or secrets.token_hex(8)
+        #: This job's own id (kept across resumes; new with restart): it scopes the ids of its
+        #: lines. A caller with an id of its own (the server: the batch's) gives it.
+        self.job_id = job_id or self.get("job_id") or secrets.token_hex(8)
         self.set("job_id", self.job_id)
         self.commit_every, self.commit_seconds = commit_every, commit_seconds
         self._pending: list[tuple[int, str | None, int, str, int, int]] = []

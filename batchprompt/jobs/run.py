@@ -171,8 +171,10 @@ def row_params(row: Row, opts: JobOptions) -> tuple[SamplingParams, int]:
     n = _given(b.get("n"), 1)
     if not isinstance(n, int) or not 1 <= n <= 128:
         raise ValueError(f"n must be an integer from 1 to 128, got {n!r}")
-    stop = b.get("stop") or ()
-    if isinstance(stop, str):
+    stop = b.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):  # "" is refused below, as in vLLM (it was taken as no stop)
         stop = (stop,)
     logprobs, top = _logprobs(row)
     extra = {k: b[k] for k in SAMPLING_FIELDS if b.get(k) is not None}

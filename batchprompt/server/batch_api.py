@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("batchprompt")
 
-WINDOW = re.compile(r"([1-9][0-9]{0,6})([smhd])")
+WINDOW = re.compile(r"([0-9]+)([smhd])")
+MAX_WINDOW_S = 365 * 86400
 UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 CANCEL_WAIT_S = 5.0  # a cancel answers once the batch is cancelled, or after this (then: cancelling)
 
@@ -220,7 +221,11 @@ def window_seconds(window: str) -> int:
     if m is None:
         raise ApiError(400, f"completion_window {window!r} is not a duration: give \"24h\" (or a number with s, m, "
                             f"h or d)", "invalid_completion_window", "completion_window")
-    return int(m.group(1)) * UNIT_S[m.group(2)]
+    seconds = int(m.group(1)) * UNIT_S[m.group(2)]
+    if not 0 < seconds <= MAX_WINDOW_S:
+        raise ApiError(400, f"completion_window {window!r} is out of range: give a duration from 1s to 365d "
+                            f"(OpenAI takes \"24h\")", "invalid_completion_window", "completion_window")
+    return seconds
 
 
 def check_metadata(metadata: Any) -> dict[str, str] | None:

@@ -92,13 +92,31 @@ class BatchJob:
             log.error("batch %s paused (it resumes when the server starts again): %s", self.id, e)
         except Exception as e:  # noqa: BLE001  (a bug: the batch fails with the reason, the server goes on)
             log.exception("batch %s failed", self.id)
-            await self.api.update(self.id, status="failed", failed_at=int(time.time()), errors=_errors(
-                [{"code": "internal_error", "line": None, "param": None, "message": f"{type(e).__name__}: {e}"}]))
+            await self._fail(e)
         finally:
             self._expiry.cancel()
             if self._journal is not None:
                 journal, self._journal = self._journal, None
                 await asyncio.shield(self.api.io(journal.close))
+
+    async def _fail(self, error: Exception) -> None:
+        """The batch fails with the reason; the requests that finished before stay in its output
+        and error files (written from the journal, as at a normal end)."""
+        if self._engine_batch is not None:  # what is still in the engine stops
+            await asyncio.get_running_loop().run_in_executor(None, self._engine_batch.cancel)
+        sizes: dict[str, int] = {}
+        batch = await asyncio.to_thread(self.api.store.get_batch, self.id)
+        if batch["output_file_id"] is not None:
+            try:
+                journal = await self._open_journal()
+                sizes = await self.api.io(self._write_files, journal, batch["output_file_id"], batch["error_file_id"])
+            except Exception:  # noqa: BLE001  (the batch still fails, below; its files say why they are missing)
+                log.exception("batch %s: the requests that finished could not be written to its files", self.id)
+        errors = _errors([{"code": "internal_error", "line": None, "param": None,
+                           "message": f"{type(error).__name__}: {error}"}])
+        counts, usage = self.counts.json()
+        await asyncio.to_thread(self.api.store.finish_batch, self.id, sizes, dict(
+            status="failed", failed_at=int(time.time()), errors=errors, request_counts=counts, usage=usage))
 
     async def _run(self) -> None:
         status = self.batch["status"]
@@ -141,7 +159,8 @@ class BatchJob:
     async def _open_journal(self) -> Journal:
         if self._journal is None:
             path = self.api.dir.journal_path(self.id)
-            self._journal = await self.api.io(Journal, path, f"{self.id}:{self.batch['input_file_id']}")
+            fingerprint = f"{self.id}:{self.batch['input_file_id']}"
+            self._journal = await self.api.io(lambda: Journal(path, fingerprint, job_id=self.id))
             await self.api.io(self._load_counts, self._journal)
         return self._journal
 

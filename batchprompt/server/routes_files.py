@@ -107,6 +107,9 @@ async def file_content(file_id: str, request: Request) -> Response:
         return Response(live, media_type=CONTENT_TYPE)
     path = api.dir.file_path(record["id"])
     if not path.is_file():
+        if record["kind"] is not None:  # a batch's output or error file, never written: the batch failed
+            raise ApiError(404, f"the {record['kind']} file {file_id} of the batch {record['batch_id']} was not "
+                                f"written (the batch failed: its errors say why)", "file_not_found", "file_id")
         raise ApiError(404, f"the contents of the file {file_id} are missing from {api.dir.files} (removed by "
                             f"hand?); delete the file and upload it again", "file_not_found", "file_id")
     return FileResponse(path, media_type=CONTENT_TYPE)

@@ -51,6 +51,9 @@ def test_cancel_keeps_finished_results_and_stops_the_rest(lm, messages, engine32
     assert len(finished) + len(cancelled) == len(prompts)
     assert all(r.error == "cancelled before it finished" for r in cancelled)
     batch.wait(errors="raise")  # a cancel is not a failure
+    progress = batch.progress
+    assert (progress.done, progress.failed, progress.cancelled) == (len(prompts), 0, len(cancelled))
+    assert f"{len(cancelled)} cancelled" in str(progress)
     # nothing leaked: only pinned prefixes hold blocks
     lm._service.call(lambda: None).result()
     pinned = {b.block_id for blocks in engine32.kv.pins.values() for b in blocks}

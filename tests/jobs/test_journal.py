@@ -84,5 +84,7 @@ def test_a_job_keeps_its_id_across_resumes_and_scopes_its_lines_ids(tmp_path):
     assert line(a.job_id)["id"] == line(job_a)["id"] != line(b.job_id)["id"]
     restarted = Journal(tmp_path / "b.sqlite", "fp", restart=True)
     assert restarted.job_id != b.job_id
-    for j in (a, b, restarted):
+    given = Journal(tmp_path / "c.sqlite", "fp", job_id="batch_abc")  # the server's: its batch id
+    assert given.job_id == "batch_abc" and given.get("job_id") == "batch_abc"
+    for j in (a, b, restarted, given):
         j.close()

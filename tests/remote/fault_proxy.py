@@ -17,21 +17,16 @@ proxy, per method and path."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from collections import Counter, deque
 
 import httpx
 
+from batchprompt.server.process import free_port
+
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 422: "Unprocessable Entity", 429: "Too Many Requests",
            500: "Internal Server Error", 503: "Service Unavailable"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FaultProxy:

@@ -4,38 +4,20 @@ free port, the embedded model, waited for (bounded) through /ready, stopped at t
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
+from batchprompt.server.process import ServerNotReady, ServerProcess
+
 READY_TIMEOUT_S = 600  # loading the model on a busy 2-core machine; a broken build fails, never hangs
 STOP_TIMEOUT_S = 60
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    port: int
-    log: Path
-    api_key: str | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+class Server(ServerProcess):
+    """The server process (batchprompt.server.process), with the tests' clients."""
 
     def client(self, **kwargs) -> httpx.Client:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -63,47 +45,21 @@ class Server:
             assert time.monotonic() < deadline, f"{what}: not within {timeout}s; last stats {json.dumps(stats)}"
             time.sleep(interval)
 
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
 
-
-def start_server(tmp_path: Path, *args: str, api_key: str | None = None) -> Server:
-    port = free_port()
-    log = tmp_path / "server.log"
-    cmd = [sys.executable, "-m", "batchprompt.server", "--port", str(port), "--host", "127.0.0.1", *args]
+def start_server(tmp_path: Path, *args: str, api_key: str | None = None, module: str = "batchprompt.server",
+                 env: dict[str, str] | None = None) -> Server:
     if "--data-dir" not in args:
-        cmd += ["--data-dir", str(tmp_path / "data")]
-    if api_key:
-        cmd += ["--api-key", api_key]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    env.pop("BATCHPROMPT_API_KEY", None)
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-    server = Server(proc, port, log, api_key)
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while True:
-        assert proc.poll() is None, f"the server exited with {proc.returncode}:\n{server.output()}"
-        try:
-            if httpx.get(server.url + "/ready", timeout=5).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            stop_server(server)
-            pytest.fail(f"the server was not ready within {READY_TIMEOUT_S}s:\n{server.output()}")
-        time.sleep(0.5)
+        args = (*args, "--data-dir", str(tmp_path / "data"))
+    try:
+        return Server(args, log=tmp_path / "server.log", api_key=api_key, env={"HF_HUB_OFFLINE": "1", **(env or {})},
+                      ready_s=READY_TIMEOUT_S, stop_s=STOP_TIMEOUT_S, module=module)
+    except ServerNotReady as e:
+        pytest.fail(str(e))
 
 
 def stop_server(server: Server) -> int:
     """SIGTERM, then SIGKILL if it has not exited in time; its exit status."""
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)
-        try:
-            server.proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            server.proc.kill()
-            server.proc.wait(STOP_TIMEOUT_S)
-    return server.proc.returncode
+    return server.stop()
 
 
 #: A request that runs until it is cancelled: 3000 tokens, each one of two letters (the grammar

@@ -112,6 +112,9 @@ def test_create_errors(client):
         client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
     with pytest.raises(openai.BadRequestError, match="completion_window 'soon'"):
         client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="soon")
+    for window in ("99999999999h", "0h"):  # a number out of range was "not a duration"
+        with pytest.raises(openai.BadRequestError, match=f"completion_window '{window}' is out of range"):
+            client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window=window)
     with pytest.raises(openai.BadRequestError, match="metadata takes at most 16 pairs"):
         client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
                               metadata={str(i): "x" for i in range(17)})

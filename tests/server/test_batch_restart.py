@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from batchprompt.server.process import free_port
+
 from .batch_util import completion_line, lines_of, long_line, strict_batch, upload, wait_ended
-from .conftest import STOP_TIMEOUT_S, free_port, start_server, stop_server
+from .conftest import STOP_TIMEOUT_S, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 

@@ -144,6 +144,8 @@ def test_async_batch_can_be_cancelled(server):
         out = c.post(f"/v1/batch/{batch_id}/cancel").json()
     assert out["status"] == "cancelled"
     assert [x["finish_reason"] for x in out["results"]] == ["cancelled", "cancelled"]
+    progress = out["progress"]  # a cancelled prompt is not a failed one
+    assert (progress["done"], progress["failed"], progress["cancelled"]) == (2, 0, 2)
     stats = server.wait_until(lambda s: s["engine"]["running"] == 0 and s["engine"]["waiting"] == 0,
                               "the engine dropped the cancelled batch")
     assert stats["server"]["async_batches_running"] == 0

@@ -129,7 +129,8 @@ def test_structured_output_json_schema(server):
 
 
 @pytest.mark.parametrize("field, value", [("max_tokens", -5), ("n", 0), ("top_p", 2), ("temperature", -1),
-                                          ("presence_penalty", 9), ("stop", [""])])
+                                          ("presence_penalty", 9), ("stop", [""]),
+                                          ("stop", "")])  # as vLLM: an empty stop string, alone too
 def test_a_bad_value_names_its_field_in_param(server, field, value):
     """OpenAI's `param` (it was null for these: the field was named only in the message)."""
     with server.client() as c:

@@ -1,0 +1,30 @@
+"""A batch that a bug ends mid-run (a fault injected into its journal, in a real server
+process: tests/server/faulty_server.py) fails with the reason and keeps what finished."""
+from __future__ import annotations
+
+from .batch_util import completion_line, lines_of, upload, wait_ended
+from .conftest import start_server, stop_server
+
+ROWS, FAIL_AT = 12, 6
+
+
+def test_a_batch_failing_mid_run_keeps_its_finished_requests_in_its_output(tmp_path):
+    # The output file of such a batch was never written: its content was a 404 saying the file
+    # had been "removed by hand", and the requests that had finished could not be read.
+    server = start_server(tmp_path, module="tests.server.faulty_server", env={"FAIL_AT_ROW": str(FAIL_AT)})
+    try:
+        client = server.openai()
+        f = upload(client, [completion_line(f"r{i}", f"Count to {i}:") for i in range(ROWS)])
+        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        batch = wait_ended(client, batch.id)
+        assert batch.status == "failed"
+        assert [(e.code, "injected fault" in e.message) for e in batch.errors.data] == [("internal_error", True)]
+        kept = lines_of(client, batch.output_file_id)
+        assert len(kept) == FAIL_AT - 1 == batch.request_counts.completed
+        assert {x["custom_id"] for x in kept} < {f"r{i}" for i in range(ROWS)}
+        assert all(x["response"]["status_code"] == 200 and x["response"]["body"]["choices"][0]["text"] for x in kept)
+        assert lines_of(client, batch.error_file_id) == []
+        # the server goes on
+        assert client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=2).choices[0].text
+    finally:
+        assert stop_server(server) == 0, server.output()
