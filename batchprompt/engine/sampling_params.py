@@ -109,7 +109,9 @@ class SamplingParams:
         object.__setattr__(self, "best_of", None if self.best_of is None else int(self.best_of))
         if self.top_logprobs:
             object.__setattr__(self, "logprobs", True)
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {list(self.stop)!r}: leave stop out, "
+                             f"or give strings of one character or more")
         object.__setattr__(self, "score_choices", tuple(tuple(c) for c in self.score_choices))
         _check(all(self.score_choices), "score_choices must be non-empty token id lists")
         _check(not (self.grammar is not None and self.score_choices),

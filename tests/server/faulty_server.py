@@ -1,13 +1,20 @@
-"""`python -m tests.server.faulty_server ARGS`: the server, but the batch journal raises a
-RuntimeError (a bug's stand-in) when it is asked to record its FAIL_AT_ROW-th request (an
-environment variable), so a test can see what a batch that fails mid-run keeps."""
+"""`python -m tests.server.faulty_server ARGS`: the server with a fault of a test's choosing,
+set by environment variables, so a test can see what a batch does then:
+- FAIL_AT_ROW=N: the batch journal raises a RuntimeError (a bug's stand-in) when it is asked to
+  record its N-th request;
+- HOLD_AFTER_COMPUTE=1: a batch whose requests have all run waits until a second after its
+  completion window ended before it writes its outputs (a slow machine's stand-in)."""
+import asyncio
 import os
+import time
 
 from batchprompt.jobs.journal import Journal
+from batchprompt.server.batch_job import BatchJob
 from batchprompt.server.command import main
 
-FAIL_AT = int(os.environ["FAIL_AT_ROW"])
+FAIL_AT = int(os.environ.get("FAIL_AT_ROW", "0"))
 _record = Journal.record
+_compute = BatchJob._compute
 _calls = 0
 
 
@@ -19,5 +26,13 @@ def record(self, *args, **kwargs):
     return _record(self, *args, **kwargs)
 
 
-Journal.record = record
+async def compute_then_hold(self, rows):
+    await _compute(self, rows)
+    await asyncio.sleep(max(self.batch["expires_at"] - time.time() + 1, 0))
+
+
+if FAIL_AT:
+    Journal.record = record
+if os.environ.get("HOLD_AFTER_COMPUTE"):
+    BatchJob._compute = compute_then_hold
 raise SystemExit(main())

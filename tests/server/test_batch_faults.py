@@ -1,5 +1,6 @@
-"""A batch that a bug ends mid-run (a fault injected into its journal, in a real server
-process: tests/server/faulty_server.py) fails with the reason and keeps what finished."""
+"""Batches under faults injected into a real server process (tests/server/faulty_server.py):
+one that a bug ends mid-run fails with the reason and keeps what finished; one whose window
+runs out after all its requests ran is completed."""
 from __future__ import annotations
 
 from .batch_util import completion_line, lines_of, upload, wait_ended
@@ -26,5 +27,22 @@ def test_a_batch_failing_mid_run_keeps_its_finished_requests_in_its_output(tmp_p
         assert lines_of(client, batch.error_file_id) == []
         # the server goes on
         assert client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=2).choices[0].text
+    finally:
+        assert stop_server(server) == 0, server.output()
+
+
+def test_a_batch_whose_window_ends_after_all_its_requests_ran_is_completed(tmp_path):
+    # It ended 'expired' (with every request in its output and none in its error file): the
+    # expiry came between the last request and the writing of the outputs.
+    server = start_server(tmp_path, module="tests.server.faulty_server", env={"HOLD_AFTER_COMPUTE": "1"})
+    try:
+        client = server.openai()
+        f = upload(client, [completion_line(f"r{i}", f"Count to {i}:", max_tokens=2) for i in range(2)])
+        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="20s")
+        batch = wait_ended(client, batch.id)
+        assert (batch.status, batch.request_counts.completed, batch.request_counts.failed) == ("completed", 2, 0)
+        assert batch.completed_at is not None and batch.expired_at is None
+        assert [x["custom_id"] for x in lines_of(client, batch.output_file_id)] == ["r0", "r1"]
+        assert lines_of(client, batch.error_file_id) == []
     finally:
         assert stop_server(server) == 0, server.output()
