@@ -263,7 +263,7 @@ def row_from_body(n: int, cid: str, url: str, body: dict) -> Row | RowError:
     with it: the check `batchprompt run` makes of each line, also used by the server."""
     problem = _check_counts(body)
     if problem:
-        return RowError(n, cid, "invalid_request", f"line {n}: {problem}")
+        return RowError(n, cid, "invalid_parameter", f"line {n}: {problem}")  # the server's code for it
     row = _row_from_body(n, cid, url, body)
     if isinstance(row, Row):
         unknown = tuple(k for k in body if k not in KNOWN_FIELDS and k not in IGNORED_FIELDS)

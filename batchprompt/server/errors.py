@@ -71,7 +71,15 @@ def validation_response(errors) -> JSONResponse:
     """422 naming the first field that is wrong (all of them in the message)."""
     errors = list(errors)
     params = [".".join(str(p) for p in err.get("loc", ()) if p != "body") for err in errors]
-    shown = "; ".join(f"{p or 'body'}: {err.get('msg')}" for p, err in list(zip(params, errors))[:4])
+    shown = "; ".join(f"{p or 'body'}: {err.get('msg')}{_given(err)}" for p, err in list(zip(params, errors))[:4])
     if len(errors) > 4:
         shown += f" (and {len(errors) - 4} more)"
     return error_response(422, f"invalid request: {shown}", "invalid_type", params[0] if params else None)
+
+
+def _given(err: dict) -> str:
+    """", got <the value>" for an error about a value the client sent (its repr, cut short)."""
+    if err.get("type") == "missing" or "input" not in err:
+        return ""
+    shown = repr(err["input"])
+    return f", got {shown if len(shown) <= 60 else shown[:57] + '...'}"

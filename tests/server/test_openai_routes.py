@@ -170,6 +170,16 @@ def test_chat_errors_in_openai_shape(server, body, status, code):
         assert error["code"] == code, error
 
 
+def test_a_value_of_the_wrong_type_is_shown_in_the_message(server):
+    # The message said "Input should be a valid number", not what was sent.
+    with server.client() as c:
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"})
+        missing = c.post("/v1/chat/completions", json={"max_tokens": 8})
+    assert r.status_code == 422 and error_of(r)["param"] == "temperature", r.text
+    assert "temperature: " in error_of(r)["message"] and "got 'hot'" in error_of(r)["message"], r.text
+    assert missing.status_code == 422 and "got" not in error_of(missing)["message"], missing.text  # nothing was sent
+
+
 @pytest.mark.parametrize("body, code", [
     ({"prompt": "hi", "echo": True}, "unsupported_parameter"),
     ({"prompt": "hi", "logprobs": 21}, "invalid_parameter"),
