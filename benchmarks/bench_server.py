@@ -1,20 +1,21 @@
 """`batchprompt serve` under 64 concurrent OpenAI clients, against in-process `batch_prompt`
 on the same prompts, and the server's memory over the run.
 
-1. A `batchprompt serve` process (the embedded model) on 127.0.0.1, a fresh --data-dir.
-2. Warm-up: 64 requests. Then `--requests` spam prompts (the demo's system prompt, greedy,
-   8 tokens, the default dtype) as chat.completions requests from `--clients` concurrent `AsyncOpenAI`
-   clients (each its own connection, one request at a time): errors, p50/p99 latency,
-   requests/s; in two halves, the server's RSS after each.
-3. `--jobs` Batch API jobs (files.create + batches.create, `--job-rows` rows each, the same
-   body), one after another, each waited for; the RSS after each.
-4. The same prompts through `LanguageModel.batch_prompt` in a fresh process (after the
-   server's 64-prompt warm-up), before the server starts and after it stopped (nothing else of
-   this benchmark runs then): prompts/s, the mean of the two against the server's (on a shared
-   machine the load drifts; both runs are reported). Another fresh process sends the prompts one
-   at a time from `--clients` concurrent asyncio callers: the server's concurrency without HTTP,
-   which tells the cost of the server from the cost of fewer prompts in flight (a process of its
-   own, so that its prompts are not in the prefix cache already).
+Three paths, each in a process of its own, loaded and warmed up (64 prompts after the measured
+ones) before anything is timed:
+- a `batchprompt serve` process (the embedded model) on 127.0.0.1, a fresh --data-dir, sent
+  chat.completions requests from `--clients` concurrent `AsyncOpenAI` clients (each its own
+  connection, one request at a time);
+- `LanguageModel.batch_prompt` over the prompts;
+- the prompts sent one at a time from `--clients` concurrent asyncio callers in process: the
+  server's concurrency without HTTP, which tells the cost of the server from the cost of fewer
+  prompts in flight.
+The `--requests` spam prompts (the demo's system prompt, greedy, 8 tokens, the default dtype)
+are cut into `--rounds` equal slices; each slice runs through the three paths one after the
+other, in an order that rotates from round to round, so that the shared machine's drift in
+speed falls on every path alike. Each path sees each prompt once (its own prefix cache). Then
+`--jobs` Batch API jobs (files.create + batches.create, `--job-rows` rows each, the same body),
+one after another, each waited for. The server's RSS after the warm-up, each round and each job.
 
 Prints markdown tables and writes benchmarks/results/server.json.
 """
@@ -39,6 +40,7 @@ import openai
 from batchprompt.data import SPAM_SYSTEM, read_sms
 
 JOB_S = 1800
+PATHS = ["server", "batch", "callers"]  # "batch": in-process batch_prompt; "callers": in-process, one prompt each
 MAX_TOKENS = 8
 WARM_UP = 64
 
@@ -111,29 +113,19 @@ def run_jobs(server: ServerProcess, texts: list[str], jobs: int) -> list[dict]:
     return done
 
 
-def in_process(n: int, clients: int, mode: str) -> None:
-    """Child process, on a fresh engine: the prompts through batch_prompt (`mode` "batch"), or
-    one at a time from `clients` concurrent asyncio callers ("callers": the server's concurrency
-    without HTTP, which tells the cost of the server from the cost of fewer prompts in flight).
-    One mode per process, so that neither finds the other's prompts in the prefix cache. Prints
-    one JSON line."""
+def worker(n: int, clients: int, mode: str) -> None:
+    """Child process: a fresh engine, warmed up as the server is, then for each line "A B" on
+    stdin the prompts [A, B) through batch_prompt (`mode` "batch") or one at a time from
+    `clients` concurrent asyncio callers ("callers"); one JSON line on stdout for each."""
     import batchprompt as bp
 
     texts = [t for _, t in read_sms(limit=n + WARM_UP)]
     warm, texts = texts[n:], texts[:n]
     lm = bp.LanguageModel.create(system=SPAM_SYSTEM, max_tokens=MAX_TOKENS, temperature=0.0)
     lm.batch_prompt(warm or texts[:WARM_UP])  # the server's warm-up: prompts after the measured ones
-    if mode == "batch":
-        t0 = time.perf_counter()
-        results = lm.batch_prompt(texts)
-        seconds = time.perf_counter() - t0
-        print(json.dumps({"seconds": seconds, "errors": sum(r.error is not None for r in results),
-                          "texts": [r.text for r in results]}))
-        lm.destroy()
-        return
+    print(json.dumps({"ready": True}), flush=True)
 
-    async def callers() -> int:
-        queue = list(reversed(texts))
+    async def callers(queue: list[str]) -> int:
         failed = 0
 
         async def caller() -> None:
@@ -146,25 +138,47 @@ def in_process(n: int, clients: int, mode: str) -> None:
         await asyncio.gather(*(caller() for _ in range(clients)))
         return failed
 
-    t0 = time.perf_counter()
-    errors = asyncio.run(callers())
-    print(json.dumps({"seconds": time.perf_counter() - t0, "errors": errors}))
+    for line in sys.stdin:
+        a, b = map(int, line.split())
+        t0 = time.perf_counter()
+        if mode == "batch":
+            results = lm.batch_prompt(texts[a:b])
+            out = {"errors": sum(r.error is not None for r in results), "texts": [r.text for r in results]}
+        else:
+            out = {"errors": asyncio.run(callers(list(reversed(texts[a:b])))), "texts": []}
+        print(json.dumps({"seconds": time.perf_counter() - t0, **out}), flush=True)
     lm.destroy()
 
 
-def run_peer(n: int, clients: int) -> dict:
-    """in_process(n, clients, mode) for both modes, each in a fresh process: batch_prompt's
-    seconds, errors and texts, and the concurrent callers' seconds."""
-    out = {}
-    for mode in ("batch", "callers"):
-        child = subprocess.run([sys.executable, __file__, "--in-process", str(n), "--in-process-mode", mode,
-                                "--clients", str(clients)], capture_output=True, text=True,
-                               cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=3600)
-        if child.returncode != 0:
-            raise RuntimeError(f"the in-process run ({mode}) failed:\n{child.stderr[-4000:]}")
-        out[mode] = json.loads(child.stdout.strip().splitlines()[-1])
-    return {"seconds": out["batch"]["seconds"], "errors": out["batch"]["errors"] + out["callers"]["errors"],
-            "texts": out["batch"]["texts"], "concurrent_seconds": out["callers"]["seconds"]}
+class Worker:
+    """A `worker` child process of this script (wait_ready before the first run)."""
+
+    def __init__(self, n: int, clients: int, mode: str):
+        self.mode = mode
+        self.proc = subprocess.Popen([sys.executable, __file__, "--in-process", str(n), "--in-process-mode", mode,
+                                      "--clients", str(clients)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+    def _answer(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith("{"):  # anything else a library printed is not an answer
+                return json.loads(line)
+        raise RuntimeError(f"the in-process worker ({self.mode}) ended (exit status {self.proc.wait()})")
+
+    def wait_ready(self) -> None:
+        self._answer()
+
+    def run(self, a: int, b: int) -> dict:
+        self.proc.stdin.write(f"{a} {b}\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -177,61 +191,80 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=64, help="concurrent AsyncOpenAI clients (default 64)")
     ap.add_argument("--jobs", type=int, default=3, help="Batch API jobs after the requests (default 3)")
     ap.add_argument("--job-rows", type=int, default=200, help="rows per Batch API job (default 200)")
+    ap.add_argument("--rounds", type=int, default=4, help="slices of the prompts, each run through the three paths "
+                    "in a rotating order (default 4)")
     ap.add_argument("--in-process", type=int, default=None, help=argparse.SUPPRESS)  # the child's mode
     ap.add_argument("--in-process-mode", choices=("batch", "callers"), default="batch", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.in_process is not None:
-        in_process(args.in_process, args.clients, args.in_process_mode)
+        worker(args.in_process, args.clients, args.in_process_mode)
         return
 
     texts = [t for _, t in read_sms(limit=args.requests + WARM_UP)]
     warm, texts = texts[args.requests:], texts[:args.requests]
     if len(texts) < args.requests:
         raise SystemExit(f"only {len(texts)} prompts in the data set")
-    half = len(texts) // 2
+    if not 1 <= args.rounds <= args.requests:
+        raise SystemExit(f"--rounds must be from 1 to --requests ({args.requests}), got {args.rounds}")
+    cuts = [len(texts) * k // args.rounds for k in range(args.rounds + 1)]
     tmp = Path(tempfile.mkdtemp(prefix="bench-server-"))
     load = {"start": os.getloadavg()[0]}
-    peers = [run_peer(args.requests, args.clients)]
-    load["after in-process 1"] = os.getloadavg()[0]
-    server = ServerProcess(tmp, "server")
-    url = server.url
-    rss = {"ready": server.rss_mib()}
+    workers = {mode: Worker(args.requests, args.clients, mode) for mode in ("batch", "callers")}
+    server = None
     try:
-        _, _, warm_errors, _ = send_all(url, warm or texts[:WARM_UP], args.clients)
+        for w in workers.values():
+            w.wait_ready()
+        server = ServerProcess(tmp, "server")
+        rss = {"ready": server.rss_mib()}
+        _, _, warm_errors, _ = send_all(server.url, warm or texts[:WARM_UP], args.clients)
         rss["after warm-up"] = server.rss_mib()
-        lat1, out1, err1, s1 = send_all(url, texts[:half], args.clients)
-        rss[f"after {half} requests"] = server.rss_mib()
-        lat2, out2, err2, s2 = send_all(url, texts[half:], args.clients)
-        rss[f"after {len(texts)} requests"] = server.rss_mib()
-        load["server"] = os.getloadavg()[0]
+        seconds = {path: [] for path in PATHS}
+        latencies, errors, server_texts, batch_texts, peer_errors = [], list(warm_errors), [], [], 0
+        for r in range(args.rounds):
+            a, b = cuts[r], cuts[r + 1]
+            for path in PATHS[r % 3:] + PATHS[:r % 3]:
+                if path == "server":
+                    lat, out, err, sec = send_all(server.url, texts[a:b], args.clients)
+                    latencies += lat
+                    errors += err
+                    server_texts += out
+                else:
+                    got = workers[path].run(a, b)
+                    sec = got["seconds"]
+                    peer_errors += got["errors"]
+                    batch_texts += got["texts"]
+                seconds[path].append(sec)
+            rss[f"after round {r + 1} ({b} requests)"] = server.rss_mib()
+            print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{p} {len(texts[a:b]) / seconds[p][-1]:.1f}/s"
+                                                               for p in PATHS), flush=True)
+        load["rounds"] = os.getloadavg()[0]
+        for w in workers.values():
+            w.close()
         jobs = run_jobs(server, texts[:args.job_rows], args.jobs)
         for k, job in enumerate(jobs):
             rss[f"after Batch API job {k + 1} ({job['completed']} rows)"] = job["rss_mib"]
     finally:
-        status = server.stop()
-    server_texts = out1 + out2
-    latencies, errors, seconds = lat1 + lat2, warm_errors + err1 + err2, s1 + s2
-
-    peers.append(run_peer(args.requests, args.clients))
+        for w in workers.values():
+            if w.proc.poll() is None:
+                w.proc.kill()
+        status = server.stop() if server is not None else None
     load["end"] = os.getloadavg()[0]
 
-    server_rps = len(texts) / seconds
-    peer_rates = [len(texts) / peer["seconds"] for peer in peers]
-    peer_rps = sum(peer_rates) / len(peer_rates)
-    callers_rates = [len(texts) / peer["concurrent_seconds"] for peer in peers]
-    callers_rps = sum(callers_rates) / len(callers_rates)
-    same = sum(a == b for a, b in zip(server_texts, peers[-1]["texts"]))
+    rate = {p: len(texts) / sum(seconds[p]) for p in PATHS}
+    server_rps, peer_rps, callers_rps = rate["server"], rate["batch"], rate["callers"]
+    round_ratios = [(cuts[r + 1] - cuts[r]) / seconds["server"][r] / ((cuts[r + 1] - cuts[r]) / seconds["batch"][r])
+                    for r in range(args.rounds)]
+    same = sum(x == y for x, y in zip(server_texts, batch_texts))
     print(f"\n{len(texts)} spam prompts, {MAX_TOKENS} tokens, greedy; {args.clients} concurrent AsyncOpenAI clients\n")
     print("| path | errors | p50 latency (s) | p99 latency (s) | prompts/s |\n|---|---|---|---|---|")
     print(f"| `batchprompt serve`, {args.clients} clients | {len(errors)} | {percentile(latencies, 50):.2f} | "
           f"{percentile(latencies, 99):.2f} | {server_rps:.1f} |")
-    print(f"| in-process `batch_prompt` (before / after the server: "
-          f"{' / '.join(f'{r:.1f}' for r in peer_rates)}) | {sum(p['errors'] for p in peers)} | - | - | {peer_rps:.1f} |")
-    print(f"| in-process, {args.clients} concurrent callers, one prompt each (before / after: "
-          f"{' / '.join(f'{r:.1f}' for r in callers_rates)}) | - | - | - | {callers_rps:.1f} |")
-    print(f"\nserver / in-process throughput: {server_rps / peer_rps:.2f} (target >= 0.90); server / in-process "
-          f"at the same concurrency: {server_rps / callers_rps:.2f}; identical texts "
-          f"{same}/{len(texts)} (in bfloat16 a different batching may flip near-ties)")
+    print(f"| in-process `batch_prompt` | {peer_errors} | - | - | {peer_rps:.1f} |")
+    print(f"| in-process, {args.clients} concurrent callers, one prompt each | - | - | - | {callers_rps:.1f} |")
+    print(f"\nserver / in-process throughput: {server_rps / peer_rps:.2f} (target >= 0.90; by round: "
+          f"{', '.join(f'{x:.2f}' for x in round_ratios)}); server / in-process at the same concurrency: "
+          f"{server_rps / callers_rps:.2f}; identical texts {same}/{len(texts)} (in bfloat16 a different batching "
+          f"may flip near-ties)")
     print("\n| server RSS | MiB |\n|---|---|")
     for point, mib in rss.items():
         print(f"| {point} | {mib:.0f} |")
@@ -241,11 +274,10 @@ def main() -> None:
     save_results("server", dict(
         requests=len(texts), clients=args.clients, max_tokens=MAX_TOKENS, errors=len(errors), error_samples=errors[:10],
         latency_p50_s=percentile(latencies, 50), latency_p99_s=percentile(latencies, 99),
-        server_seconds=seconds, server_halves_seconds=[s1, s2], server_prompts_per_s=server_rps,
-        in_process_seconds=[p["seconds"] for p in peers], in_process_errors=sum(p["errors"] for p in peers),
-        in_process_prompts_per_s=peer_rps, in_process_concurrent_seconds=[p["concurrent_seconds"] for p in peers],
-        in_process_concurrent_prompts_per_s=callers_rps, ratio_same_concurrency=server_rps / callers_rps,
-        ratio=server_rps / peer_rps, identical_texts=same, rss_mib=rss, jobs=jobs, load_average=load,
+        rounds=args.rounds, seconds_by_round=seconds, server_prompts_per_s=server_rps, in_process_errors=peer_errors,
+        in_process_prompts_per_s=peer_rps, in_process_concurrent_prompts_per_s=callers_rps,
+        ratio_same_concurrency=server_rps / callers_rps, ratio=server_rps / peer_rps, ratio_by_round=round_ratios,
+        identical_texts=same, rss_mib=rss, jobs=jobs, load_average=load,
         server_exit_status=status))
 
 
