@@ -181,6 +181,35 @@ class Worker:
             self.proc.kill()
 
 
+def soak(n: int, clients: int, slice_size: int = 250) -> None:
+    """The server alone: `n` requests (distinct prompts) in slices, its RSS after each."""
+    texts = [t for _, t in read_sms(limit=n + WARM_UP)]
+    warm, texts = texts[len(texts) - WARM_UP:], texts[:len(texts) - WARM_UP]
+    server = ServerProcess(Path(tempfile.mkdtemp(prefix="bench-server-soak-")), "server")
+    rows, errors = [("ready", server.rss_mib(), None)], 0
+    try:
+        errors += len(send_all(server.url, warm, clients)[2])
+        rows.append(("after warm-up", server.rss_mib(), None))
+        for a in range(0, len(texts), slice_size):
+            _, _, err, sec = send_all(server.url, texts[a:a + slice_size], clients)
+            errors += len(err)
+            b = min(a + slice_size, len(texts))
+            rows.append((f"after {b} requests", server.rss_mib(), (b - a) / sec))
+            print(f"{b}/{len(texts)} requests: RSS {rows[-1][1]:.0f} MiB", flush=True)
+    finally:
+        status = server.stop()
+    print(f"\n{len(texts)} spam prompts (after {len(warm)} to warm up), {MAX_TOKENS} tokens, greedy; {clients} "
+          f"concurrent AsyncOpenAI clients; {errors} errors; server exit status {status}\n")
+    print("| point | server RSS (MiB) | prompts/s in the slice |\n|---|---|---|")
+    for point, mib, rate in rows:
+        print(f"| {point} | {mib:.0f} | {'-' if rate is None else f'{rate:.1f}'} |")
+    after = [mib for point, mib, _ in rows[2:]]
+    if after:
+        print(f"\nafter the first slice: {min(after[1:] or after):.0f} to {max(after[1:] or after):.0f} MiB")
+    save_results("server_soak", dict(requests=len(texts), clients=clients, errors=errors, exit_status=status,
+                                     rss_mib={p: m for p, m, _ in rows}))
+
+
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
@@ -193,11 +222,17 @@ def main() -> None:
     ap.add_argument("--job-rows", type=int, default=200, help="rows per Batch API job (default 200)")
     ap.add_argument("--rounds", type=int, default=4, help="slices of the prompts, each run through the three paths "
                     "in a rotating order (default 4)")
+    ap.add_argument("--soak", type=int, default=0, metavar="N",
+                    help="instead: only the server, sent N requests in slices of 250 after the warm-up, with its "
+                         "RSS after each slice (memory per request)")
     ap.add_argument("--in-process", type=int, default=None, help=argparse.SUPPRESS)  # the child's mode
     ap.add_argument("--in-process-mode", choices=("batch", "callers"), default="batch", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.in_process is not None:
         worker(args.in_process, args.clients, args.in_process_mode)
+        return
+    if args.soak:
+        soak(args.soak, args.clients)
         return
 
     texts = [t for _, t in read_sms(limit=args.requests + WARM_UP)]
