@@ -216,7 +216,8 @@ def percentile(values: list[float], q: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=1000, help="spam prompts, each run through every path (default 1000)")
+    ap.add_argument("--requests", type=int, default=1000,
+                    help="spam prompts, each run through every path (default 1000)")
     ap.add_argument("--clients", type=int, default=64, help="concurrent AsyncOpenAI clients (default 64)")
     ap.add_argument("--jobs", type=int, default=3, help="Batch API jobs after the requests (default 3)")
     ap.add_argument("--job-rows", type=int, default=200, help="rows per Batch API job (default 200)")

@@ -114,9 +114,13 @@ class BatchJob:
                 log.exception("batch %s: the requests that finished could not be written to its files", self.id)
         errors = _errors([{"code": "internal_error", "line": None, "param": None,
                            "message": f"{type(error).__name__}: {error}"}])
+        await self._record_end(sizes, status="failed", failed_at=int(time.time()), errors=errors)
+
+    async def _record_end(self, sizes: dict[str, int], **changes) -> None:
+        """The batch's end in the store: its files' sizes, `changes`, its request counts and usage."""
         counts, usage = self.counts.json()
-        await asyncio.to_thread(self.api.store.finish_batch, self.id, sizes, dict(
-            status="failed", failed_at=int(time.time()), errors=errors, request_counts=counts, usage=usage))
+        await asyncio.to_thread(self.api.store.finish_batch, self.id, sizes,
+                                dict(changes, request_counts=counts, usage=usage))
 
     async def _run(self) -> None:
         status = self.batch["status"]
@@ -251,10 +255,8 @@ class BatchJob:
             await api.io(self._record, journal, r.line, r.custom_id, False, line)
         batch = await api.ensure_files(self.id)
         sizes = await api.io(self._write_files, journal, batch["output_file_id"], batch["error_file_id"])
-        counts, usage = self.counts.json()
         at = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[ending]
-        await asyncio.to_thread(api.store.finish_batch, self.id, sizes, dict(
-            status=ending, request_counts=counts, usage=usage, **{at: int(time.time())}))
+        await self._record_end(sizes, status=ending, **{at: int(time.time())})
 
     def _write_files(self, journal: Journal, output_id: str, error_id: str) -> dict[str, int]:
         """Both files, from the journal, in input order (on the io thread); their sizes."""

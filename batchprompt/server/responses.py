@@ -141,6 +141,6 @@ def result_json(r: Result | None) -> dict[str, Any] | None:
 
 
 def progress_json(p: Progress) -> dict[str, Any]:
-    return {"done": p.done, "total": p.total, "failed": p.failed, "cancelled": p.cancelled, "completion_tokens": p.completion_tokens,
-            "tokens_per_s": round(p.tokens_per_s, 2), "elapsed_s": round(p.elapsed_s, 3),
+    return {"done": p.done, "total": p.total, "failed": p.failed, "cancelled": p.cancelled,
+            "completion_tokens": p.completion_tokens, "tokens_per_s": round(p.tokens_per_s, 2), "elapsed_s": round(p.elapsed_s, 3),
             "eta_s": None if p.eta_s is None else round(p.eta_s, 3)}
