@@ -5,7 +5,7 @@ Three paths, each in a process of its own, loaded and warmed up (64 prompts afte
 ones) before anything is timed:
 - a `batchprompt serve` process (the embedded model) on 127.0.0.1, a fresh --data-dir, sent
   chat.completions requests from `--clients` concurrent `AsyncOpenAI` clients (each its own
-  connection, one request at a time);
+  connection, one request at a time; made once, before anything is timed, and kept for the run);
 - `LanguageModel.batch_prompt` over the prompts;
 - the prompts sent one at a time from `--clients` concurrent asyncio callers in process: the
   server's concurrency without HTTP, which tells the cost of the server from the cost of fewer
@@ -49,19 +49,40 @@ def messages(text: str) -> list[dict]:
     return [{"role": "system", "content": SPAM_SYSTEM}, {"role": "user", "content": text}]
 
 
-async def _send_all(url: str, texts: list[str], clients: int) -> tuple[list[float], list[str], list[str], float]:
-    """Every text as one chat request, from `clients` concurrent clients, each its own
-    AsyncOpenAI (connection pool) sending one request at a time. (latencies, texts in input
-    order, errors, wall seconds)."""
-    queue: asyncio.Queue = asyncio.Queue()
-    for i, t in enumerate(texts):
-        queue.put_nowait((i, t))
-    latencies: list[float] = []
-    out: list[str] = [""] * len(texts)
-    errors: list[str] = []
+class Clients:
+    """`n` AsyncOpenAI clients (each its own connection pool), made once on an event loop kept
+    for the whole run, as a long-running client program keeps them: making 64 of them costs
+    about a second of CPU on this machine's 2 cores, which is the client's start, not the
+    server's throughput. `client_cpu_s` adds up this process's CPU during each `send`."""
 
-    async def client_loop() -> None:
-        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600) as client:
+    def __init__(self, url: str, n: int):
+        self._runner = asyncio.Runner()
+        self.client_cpu_s = 0.0
+
+        async def make() -> list[openai.AsyncOpenAI]:
+            return [openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+                    for _ in range(n)]
+
+        self._clients = self._runner.run(make())
+
+    def send(self, texts: list[str]) -> tuple[list[float], list[str], list[str], float]:
+        """Every text as one chat request, each client sending one request at a time.
+        (latencies, texts in input order, errors, wall seconds)"""
+        cpu0 = time.process_time()
+        try:
+            return self._runner.run(self._send_all(texts))
+        finally:
+            self.client_cpu_s += time.process_time() - cpu0
+
+    async def _send_all(self, texts: list[str]) -> tuple[list[float], list[str], list[str], float]:
+        queue: asyncio.Queue = asyncio.Queue()
+        for i, t in enumerate(texts):
+            queue.put_nowait((i, t))
+        latencies: list[float] = []
+        out: list[str] = [""] * len(texts)
+        errors: list[str] = []
+
+        async def client_loop(client: openai.AsyncOpenAI) -> None:
             while True:
                 try:
                     i, text = queue.get_nowait()
@@ -78,13 +99,17 @@ async def _send_all(url: str, texts: list[str], clients: int) -> tuple[list[floa
                 except Exception as e:  # noqa: BLE001  (counted and shown: the benchmark's errors)
                     errors.append(f"request {i}: {type(e).__name__}: {e}")
 
-    t0 = time.perf_counter()
-    await asyncio.gather(*(client_loop() for _ in range(clients)))
-    return latencies, out, errors, time.perf_counter() - t0
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client_loop(c) for c in self._clients))
+        return latencies, out, errors, time.perf_counter() - t0
 
+    def close(self) -> None:
+        async def close_all() -> None:
+            for c in self._clients:
+                await c.close()
 
-def send_all(url: str, texts: list[str], clients: int):
-    return asyncio.run(_send_all(url, texts, clients))
+        self._runner.run(close_all())
+        self._runner.close()
 
 
 def run_jobs(server: ServerProcess, texts: list[str], jobs: int) -> list[dict]:
@@ -186,17 +211,20 @@ def soak(n: int, clients: int, slice_size: int = 250) -> None:
     texts = [t for _, t in read_sms(limit=n + WARM_UP)]
     warm, texts = texts[len(texts) - WARM_UP:], texts[:len(texts) - WARM_UP]
     server = ServerProcess(Path(tempfile.mkdtemp(prefix="bench-server-soak-")), "server")
-    rows, errors = [("ready", server.rss_mib(), None)], 0
+    rows, errors, senders = [("ready", server.rss_mib(), None)], 0, None
     try:
-        errors += len(send_all(server.url, warm, clients)[2])
+        senders = Clients(server.url, clients)
+        errors += len(senders.send(warm)[2])
         rows.append(("after warm-up", server.rss_mib(), None))
         for a in range(0, len(texts), slice_size):
-            _, _, err, sec = send_all(server.url, texts[a:a + slice_size], clients)
+            _, _, err, sec = senders.send(texts[a:a + slice_size])
             errors += len(err)
             b = min(a + slice_size, len(texts))
             rows.append((f"after {b} requests", server.rss_mib(), (b - a) / sec))
             print(f"{b}/{len(texts)} requests: RSS {rows[-1][1]:.0f} MiB", flush=True)
     finally:
+        if senders is not None:
+            senders.close()
         status = server.stop()
     print(f"\n{len(texts)} spam prompts (after {len(warm)} to warm up), {MAX_TOKENS} tokens, greedy; {clients} "
           f"concurrent AsyncOpenAI clients; {errors} errors; server exit status {status}\n")
@@ -246,13 +274,15 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-server-"))
     load = {"start": os.getloadavg()[0]}
     workers = {mode: Worker(args.requests, args.clients, mode) for mode in ("batch", "callers")}
-    server = None
+    server = senders = None
     try:
         for w in workers.values():
             w.wait_ready()
         server = ServerProcess(tmp, "server")
         rss = {"ready": server.rss_mib()}
-        _, _, warm_errors, _ = send_all(server.url, warm or texts[:WARM_UP], args.clients)
+        senders = Clients(server.url, args.clients)
+        _, _, warm_errors, _ = senders.send(warm or texts[:WARM_UP])
+        senders.client_cpu_s = 0.0  # from here on: the measured requests only
         rss["after warm-up"] = server.rss_mib()
         seconds = {path: [] for path in PATHS}
         latencies, errors, server_texts, batch_texts, peer_errors = [], list(warm_errors), [], [], 0
@@ -260,7 +290,7 @@ def main() -> None:
             a, b = cuts[r], cuts[r + 1]
             for path in PATHS[r % 3:] + PATHS[:r % 3]:
                 if path == "server":
-                    lat, out, err, sec = send_all(server.url, texts[a:b], args.clients)
+                    lat, out, err, sec = senders.send(texts[a:b])
                     latencies += lat
                     errors += err
                     server_texts += out
@@ -274,6 +304,7 @@ def main() -> None:
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{p} {len(texts[a:b]) / seconds[p][-1]:.1f}/s"
                                                                for p in PATHS), flush=True)
         load["rounds"] = os.getloadavg()[0]
+        client_ms = 1000 * senders.client_cpu_s / len(texts)
         for w in workers.values():
             w.close()
         jobs = run_jobs(server, texts[:args.job_rows], args.jobs)
@@ -283,6 +314,8 @@ def main() -> None:
         for w in workers.values():
             if w.proc.poll() is None:
                 w.proc.kill()
+        if senders is not None:
+            senders.close()
         status = server.stop() if server is not None else None
     load["end"] = os.getloadavg()[0]
 
@@ -301,6 +334,7 @@ def main() -> None:
           f"{', '.join(f'{x:.2f}' for x in round_ratios)}); server / in-process at the same concurrency: "
           f"{server_rps / callers_rps:.2f}; identical texts {same}/{len(texts)} (in bfloat16 a different batching "
           f"may flip near-ties)")
+    print(f"the clients' own CPU, on the same cores as the server: {client_ms:.1f} ms a request")
     print("\n| server RSS | MiB |\n|---|---|")
     for point, mib in rss.items():
         print(f"| {point} | {mib:.0f} |")
@@ -312,8 +346,8 @@ def main() -> None:
         latency_p50_s=percentile(latencies, 50), latency_p99_s=percentile(latencies, 99),
         rounds=args.rounds, seconds_by_round=seconds, server_prompts_per_s=server_rps, in_process_errors=peer_errors,
         in_process_prompts_per_s=peer_rps, in_process_concurrent_prompts_per_s=callers_rps,
-        ratio_same_concurrency=server_rps / callers_rps, ratio=server_rps / peer_rps, ratio_by_round=round_ratios,
-        identical_texts=same, rss_mib=rss, jobs=jobs, load_average=load,
+        client_cpu_ms_per_request=client_ms, ratio_same_concurrency=server_rps / callers_rps,
+        ratio=server_rps / peer_rps, ratio_by_round=round_ratios, identical_texts=same, rss_mib=rss, jobs=jobs, load_average=load,
         server_exit_status=status))
 
 

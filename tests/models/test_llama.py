@@ -162,3 +162,54 @@ def test_packed_gemms_meet_few_row_counts(tmp_path, monkeypatch):
     for n in (3, 9, 20, 57, 100):
         full_logits(model, torch.randint(0, 97, (n,)).tolist())
     assert seen and seen <= set(range(1, 9)) | set(range(8, 129, 8)), sorted(seen)
+
+
+def _bf16_tiny_model(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(4)
+    config = tiny_hf_config(tie_word_embeddings=True, max_position_embeddings=1024)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    args, weights = load_hf_weights(resolve_model(tmp_path))
+    return build_model(args, weights, torch.bfloat16, torch.device("cpu"))
+
+
+def test_plain_bfloat16_gemms_meet_few_row_counts(tmp_path, monkeypatch):
+    """oneDNN keeps several MiB for every row count a bfloat16 GEMM meets on the CPU: steps of
+    more than PACKED_MAX_ROWS tokens must meet 8 row counts per doubling (multiples of 16 up
+    to 256, of 32 up to 512, ...), or a server's memory grows with each new step size (about
+    100 KiB a request, without end)."""
+    import torch.nn.functional as F
+
+    model = _bf16_tiny_model(tmp_path)
+    seen: set[int] = set()
+    real_mm, real_linear = torch.mm, F.linear
+
+    def mm(x, w):
+        seen.add(x.shape[0])
+        return real_mm(x, w)
+
+    def linear(x, w, bias=None):
+        seen.add(x.shape[0])
+        return real_linear(x, w, bias)
+
+    monkeypatch.setattr(torch, "mm", mm)
+    monkeypatch.setattr(F, "linear", linear)
+    for n in (129, 200, 257, 333, 517):
+        full_logits(model, torch.randint(0, 97, (n,)).tolist())
+    allowed = set(range(144, 257, 16)) | set(range(288, 513, 32)) | set(range(576, 1025, 64))
+    assert seen and seen <= allowed, sorted(seen - allowed)
+
+
+def test_padded_bfloat16_gemms_give_the_same_logits(tmp_path, monkeypatch):
+    """The zero rows that pad a step's GEMMs change nothing in its own rows' logits (to the
+    dtype's rounding, as another GEMM kernel may sum in another order)."""
+    from batchprompt.models import llama
+
+    model = _bf16_tiny_model(tmp_path)
+    ids = torch.randint(0, 97, (200,)).tolist()  # GEMMs of 208 rows
+    padded = full_logits(model, ids)
+    monkeypatch.setattr(llama, "_plain_padded", lambda x: x)
+    plain = full_logits(model, ids)
+    assert (padded - plain).abs().max() <= 0.01 * plain.abs().max()
+    assert (padded.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.95
