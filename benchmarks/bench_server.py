@@ -347,8 +347,8 @@ def main() -> None:
         rounds=args.rounds, seconds_by_round=seconds, server_prompts_per_s=server_rps, in_process_errors=peer_errors,
         in_process_prompts_per_s=peer_rps, in_process_concurrent_prompts_per_s=callers_rps,
         client_cpu_ms_per_request=client_ms, ratio_same_concurrency=server_rps / callers_rps,
-        ratio=server_rps / peer_rps, ratio_by_round=round_ratios, identical_texts=same, rss_mib=rss, jobs=jobs, load_average=load,
-        server_exit_status=status))
+        ratio=server_rps / peer_rps, ratio_by_round=round_ratios, identical_texts=same,
+        rss_mib=rss, jobs=jobs, load_average=load, server_exit_status=status))
 
 
 if __name__ == "__main__":
