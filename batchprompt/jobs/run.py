@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import signal
 import sys
 import tempfile
@@ -130,6 +131,24 @@ def check_writable(path: str) -> None:
         raise InputError(f"{path}: cannot write the output there ({e.strerror})") from e
 
 
+def check_distinct(paths: dict[str, str | Path | None]) -> None:
+    """The job's files ({what: path}; None and "-" left out) must be different files: an output
+    written over the input, or errors over the output, would lose rows that ran."""
+    seen: list[tuple[str, str | Path, str]] = []
+    for what, path in paths.items():
+        if path is None or str(path) == "-":
+            continue
+        real = os.path.realpath(path)
+        for other, other_path, other_real in seen:
+            same = real == other_real
+            if not same and os.path.exists(real) and os.path.exists(other_real):
+                same = os.path.samefile(real, other_real)  # hard links
+            if same:
+                raise InputError(f"{path}: the {what} and the {other} ({other_path}) are the same file; give each "
+                                 f"a path of its own")
+        seen.append((what, path, real))
+
+
 # ---- request building ---------------------------------------------------------------------------
 @dataclass
 class Pending:
@@ -237,6 +256,11 @@ class JobRun:
         if opts.format not in ("openai", "table"):
             raise InputError(f"--format must be 'openai' or 'table', got {opts.format!r}")
         errors_path = opts.errors or default_errors_path(opts.output)
+        fp = fingerprint(table.raw, opts)
+        journal_path = opts.journal or (cache_dir() / "jobs" / f"{fp[:16]}.sqlite" if opts.output == "-"
+                                        else opts.output + ".journal")
+        check_distinct({"input": opts.input, "output (-o)": opts.output, "errors file (--errors)": errors_path,
+                        "journal (--journal)": journal_path})
         check_writable(opts.output)
         if errors_path:
             check_writable(errors_path)
@@ -250,9 +274,6 @@ class JobRun:
 
         if opts.dry_run:
             return self.dry_run(table)
-        fp = fingerprint(table.raw, opts)
-        journal_path = opts.journal or (cache_dir() / "jobs" / f"{fp[:16]}.sqlite" if opts.output == "-"
-                                        else opts.output + ".journal")
         with JobLock(journal_path):  # a second run of this job stops here, naming this one
             journal = Journal(journal_path, fp, restart=opts.restart)
             try:

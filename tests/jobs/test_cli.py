@@ -57,6 +57,30 @@ def test_missing_input_unwritable_output_unknown_model(tmp_path, capsys):
     assert not (tmp_path / "o.jsonl").exists()
 
 
+def test_a_job_whose_files_are_one_file_is_refused_before_any_work(tmp_path, capsys):
+    """Output over the input, errors over the output (both written at the end: the output's rows
+    were lost), or the journal over the output: exit 2, naming both, every file untouched."""
+    inp = tmp_path / "in.jsonl"
+    write_sms_batch(inp, 3)
+    before = inp.read_bytes()
+    out = tmp_path / "o.jsonl"
+    (tmp_path / "link.jsonl").hardlink_to(inp)
+    cases = [
+        (["-o", str(inp)], "the output (-o) and the input"),
+        (["-o", str(out), "--errors", str(out)], "the errors file (--errors) and the output (-o)"),
+        (["-o", str(out), "--errors", str(inp)], "the errors file (--errors) and the input"),
+        (["-o", str(out), "--journal", str(out)], "the journal (--journal) and the output (-o)"),
+        (["-o", str(tmp_path / "sub" / ".." / "o.jsonl"), "--journal", str(out)], "are the same file"),
+        (["-o", str(tmp_path / "link.jsonl")], "the output (-o) and the input"),
+    ]
+    (tmp_path / "sub").mkdir()
+    for flags, message in cases:
+        assert main(["run", str(inp), *flags, "--no-progress"]) == 2, flags
+        err = capsys.readouterr().err
+        assert message in err and "give each a path of its own" in err, (flags, err)
+        assert inp.read_bytes() == before and not out.exists(), flags
+
+
 def test_help_explains_formats_and_resuming(capsys):
     with pytest.raises(SystemExit):
         main(["run", "--help"])
