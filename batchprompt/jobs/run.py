@@ -9,7 +9,7 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from ..api.structured import OutputSpec
 from ..backends import Backend, get_backend
 from ..engine import SamplingParams
 from ..models.tokenizer import cache_dir
-from . import openai_io
+from . import openai_io, refusals
 from .ids import check_ids
 from .journal import Journal, record_json
 from .lock import JobLock
@@ -357,17 +357,24 @@ class JobRun:
         shared: dict[str, int] = {}
         for row in todo:
             try:
+                row = replace(row, body=refusals.refuse_unsupported(row.body))
                 params, n = row_params(row, self.opts)
                 spec = row_spec(row, self.opts)
                 if spec is not None:
                     params = spec.sampling_params(params, tok)
                 ids = render(row, tok, self.opts.system)
+                # A max_tokens the row asks for must fit beside its prompt, as the server checks it;
+                # the job's default is cut at the context's end instead.
+                asked = params.max_tokens if refusals.asked_max_tokens(row.body) is not None else None
+                refusals.check_context(ids, service.max_model_len, "the messages" if row.url == CHAT else "the prompt",
+                                       asked)
                 per_choice = [params if n == 1 or params.seed is None else
                               SamplingParams(**{**asdict(params), "seed": params.seed + choice}) for choice in range(n)]
             except Exception as e:  # any failure to prepare one row (a chat template that raises) is its own
                 if journal is not None:
+                    code = e.code if isinstance(e, refusals.Refused) else "invalid_request"
                     journal.record(row.line, row.custom_id, False, openai_io.error_line(
-                        row.line, row.custom_id, "invalid_request", f"line {row.line}: {e}", journal.job_id))
+                        row.line, row.custom_id, code, f"line {row.line}: {e}", journal.job_id))
                 continue
             p = Pending(row, n, [None] * n)
             for choice, cp in enumerate(per_choice):

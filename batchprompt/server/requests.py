@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from ..api.batch import Prepared
 from ..jobs import rows as job_rows
+from ..jobs import refusals
 from ..jobs.rows import CHAT, COMPLETION, Row, RowError
 from ..jobs.run import JobOptions, render, row_params, row_spec
 from .errors import ApiError
@@ -22,20 +23,6 @@ from .errors import ApiError
 #: decode greedily instead; the server answers as the APIs it stands in for).
 COMPLETION_MAX_TOKENS = 16
 TEMPERATURE = 1.0
-
-#: Fields that change what a request means and that this server cannot honour: refused with a
-#: message rather than ignored. field -> is the value a no-op? (The sampling options, from
-#: presence_penalty to best_of and top_logprobs, go to the engine through the jobs' row_params.)
-_NOOP = {
-    "echo": lambda v: not v,
-    "suffix": lambda v: v in (None, ""),
-    "tools": lambda v: not v,
-    "functions": lambda v: not v,
-    "use_beam_search": lambda v: not v,
-    "ignore_eos": lambda v: not v,
-    "prompt_logprobs": lambda v: v is None,
-}
-
 
 @dataclass
 class Plan:
@@ -92,14 +79,10 @@ def plan_row(row: Row, tokenizer, max_model_len: int) -> list[Prepared]:
 
 def refuse_unsupported(body: dict) -> dict:
     """The body to plan, or ApiError naming a field this server cannot honour."""
-    for name, noop in _NOOP.items():
-        if name in body and not noop(body[name]):
-            raise ApiError(400, f"{name}={body[name]!r}: this server does not support it; leave it out",
-                           "unsupported_parameter", name)
-    if body.get("best_of") is not None and body.get("best_of") == (body.get("n") or 1):
-        # best_of = n picks all n: a no-op clients send, not the best-of-n search (which needs n = 1).
-        body = {k: v for k, v in body.items() if k != "best_of"}
-    return body
+    try:
+        return refusals.refuse_unsupported(body)
+    except refusals.Refused as e:
+        raise ApiError(400, str(e), e.code, e.param) from None
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:
@@ -162,23 +145,15 @@ def _render(row: Row, tokenizer) -> list[int]:
 
 def _asked_tokens(body: dict, params) -> int | None:
     """A chat's max_tokens when the body gives one (unset: the rest of the context)."""
-    given = body.get("max_completion_tokens", body.get("max_tokens"))
-    return params.max_tokens if given is not None else None
+    return params.max_tokens if refusals.asked_max_tokens(body) is not None else None
 
 
 def _checked(ids: list[int], max_model_len: int, what: str, max_tokens: int | None) -> list[int]:
-    """The prompt's ids, or a 400 where the prompt plus `max_tokens` (when asked for) does not
-    fit the context: vLLM's rule, rather than an answer cut short at the context's end."""
-    verb = "have" if what == "the messages" else "has"
-    if len(ids) >= max_model_len:
-        raise ApiError(400, f"{what} {verb} {len(ids)} tokens, but the context holds {max_model_len} (prompt plus at "
-                            f"least one generated token): shorten it", "context_length_exceeded")
-    if max_tokens is not None and len(ids) + max_tokens > max_model_len:
-        raise ApiError(400, f"the context holds {max_model_len} tokens, but this request asks for "
-                            f"{len(ids) + max_tokens}: {len(ids)} in {what} and max_tokens {max_tokens}; lower "
-                            f"max_tokens to at most {max_model_len - len(ids)} or shorten the prompt",
-                       "context_length_exceeded", "max_tokens")
-    return ids
+    """The prompt's ids, or a 400 where the prompt plus `max_tokens` (when asked for) does not fit."""
+    try:
+        return refusals.check_context(ids, max_model_len, what, max_tokens)
+    except refusals.Refused as e:
+        raise ApiError(400, str(e), e.code, e.param) from None
 
 
 def _choices(all_ids: list[list[int]], params, n: int, spec) -> list[Prepared]:

@@ -81,6 +81,25 @@ def test_a_job_whose_files_are_one_file_is_refused_before_any_work(tmp_path, cap
         assert inp.read_bytes() == before and not out.exists(), flags
 
 
+def test_rows_the_server_refuses_fail_alone_with_its_codes(tmp_path, capsys):
+    """A row with tools, or an explicit max_tokens that does not fit beside its prompt, fails
+    with the code the server answers the same body with (it ran as plain text, and cut short,
+    before); best_of = n is a no-op, as there. The other rows run."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    inp.write_text("".join(chat_line(i, "Win a prize now", **body) + "\n" for i, body in enumerate([
+        {}, {"tools": [{"type": "function", "function": {"name": "f"}}]}, {"max_tokens": 10**6},
+        {"n": 2, "best_of": 2, "temperature": 0.7, "seed": 1}, {"tools": []}])))
+    assert main(["run", str(inp), "-o", str(out), "--no-progress"]) == 1
+    capsys.readouterr()
+    assert [o["custom_id"] for o in parse_outputs(out)] == ["sms-0", "sms-3", "sms-4"]
+    errors = {e["custom_id"]: e["error"] for e in map(json.loads, Path(str(out) + ".errors.jsonl").read_text()
+                                                       .splitlines())}
+    assert errors.keys() == {"sms-1", "sms-2"}
+    assert errors["sms-1"]["code"] == "unsupported_parameter" and "tools=" in errors["sms-1"]["message"]
+    assert errors["sms-2"]["code"] == "context_length_exceeded"
+    assert "lower max_tokens to at most" in errors["sms-2"]["message"]
+
+
 def test_help_explains_formats_and_resuming(capsys):
     with pytest.raises(SystemExit):
         main(["run", "--help"])
