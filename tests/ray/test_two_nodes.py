@@ -23,7 +23,7 @@ from .conftest import REPLICA, answers, journal_rows, spam_lines, wait_for, writ
 
 pytestmark = pytest.mark.slow
 
-N = 40
+N = 120  # enough rows that node B is still running some once 4 are journaled, on a fast machine too
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
