@@ -51,6 +51,7 @@ class Batch:
         self._on_result: list[Callable[[int, Result], None]] = []
         self._on_complete: list[Callable[[list[Result]], None]] = []
         self._dispatched = False  # a callback of this batch went to the callback thread
+        self._completed = False  # every result is in and the on_complete callbacks are taken
         self._done = threading.Event()  # every result is in
         self._finished = threading.Event()  # ... and every callback of the batch has run
         self._waiters: list[Callable[[], None]] = []  # called once finished
@@ -65,15 +66,28 @@ class Batch:
 
     # ---- set-up ---------------------------------------------------------------------------
     def on_result(self, fn: Callable[[int, Result], None]) -> "Batch":
-        """Call `fn(index, result)` for each result as it completes (on a callback thread)."""
+        """Call `fn(index, result)` for each result as it completes (on a callback thread).
+        Added after results came in, it is called for those at once, in completion order (as
+        concurrent.futures calls a callback added to a finished future)."""
+        _check_callable("on_result", fn)
         with self._lock:
             self._on_result.append(fn)
+            earlier = [self._results[i] for i in self._order]
+            self._dispatched |= bool(earlier)
+        for result in earlier:
+            self._service.dispatch(fn, result.index, result)
         return self
 
     def on_complete(self, fn: Callable[[list[Result]], None]) -> "Batch":
-        """Call `fn(results)` once, when all are done, with the results in input order."""
+        """Call `fn(results)` once, when all are done, with the results in input order (at
+        once, on the callback thread, if they already are)."""
+        _check_callable("on_complete", fn)
         with self._lock:
-            self._on_complete.append(fn)
+            results = list(self._results) if self._completed else None
+            if results is None:
+                self._on_complete.append(fn)
+        if results is not None:
+            self._service.dispatch(fn, results)
         return self
 
     def start(self) -> "Batch":
@@ -140,6 +154,7 @@ class Batch:
             self._finished_at = time.monotonic()
             results = list(self._results)
             on_complete = list(self._on_complete)
+            self._completed = True  # an on_complete added from now on is called at once
             through_callbacks = self._dispatched or bool(on_complete)
         if self._bar is not None:
             self._bar.close()
@@ -325,3 +340,8 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> bool:
 def _set(fut: asyncio.Future, value) -> None:
     if not fut.done():
         fut.set_result(value)
+
+
+def _check_callable(method: str, fn) -> None:
+    if not callable(fn):
+        raise TypeError(f"{method} takes a function, got {fn!r}")

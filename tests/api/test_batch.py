@@ -30,6 +30,22 @@ def test_on_result_in_completion_order_and_on_complete_once(lm, messages):
     assert "10/10 done" in str(p)
 
 
+def test_callbacks_added_after_the_results_are_called_for_them(lm, messages):
+    """As concurrent.futures calls a callback added to a finished future: on_result for each
+    result already in, on_complete with them all; a non-function is refused at once."""
+    batch = lm.create_batch(messages[:3])
+    results = batch.start().wait(timeout=120)
+    got, done = [], threading.Event()
+    batch.on_result(lambda i, r: got.append((i, r)))
+    batch.on_complete(lambda rs: (got.append(rs), done.set()))
+    assert done.wait(10)
+    assert sorted(i for i, _ in got[:3]) == [0, 1, 2] and all(r is results[i] for i, r in got[:3])
+    assert got[3] == results and len(got) == 4
+    for method in ("on_result", "on_complete"):
+        with pytest.raises(TypeError, match=f"{method} takes a function, got 'print'"):
+            getattr(lm.create_batch(messages[:1]), method)("print")
+
+
 def test_iteration_as_completed(lm, messages):
     got = dict(lm.create_batch(messages[:6]))
     assert sorted(got) == list(range(6))
