@@ -205,10 +205,12 @@ def run_command(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         return _fail(f"--max-tokens must be >= 1, got {args.max_tokens}")
     from .engine import SamplingParams
-    try:  # the engine's own checks (NaN, inf from 1e400, negative, a seed beyond 64 bits), before any work
-        SamplingParams(temperature=args.temperature, seed=args.seed)
-    except (TypeError, ValueError) as e:
-        return _fail(f"--temperature {args.temperature} / --seed {args.seed}: {e}")
+    # The engine's own checks (NaN, inf from 1e400, negative, a seed beyond 64 bits), before any work.
+    for flag, value in (("--temperature", args.temperature), ("--seed", args.seed)):
+        try:
+            SamplingParams(**{flag[2:]: value})
+        except (TypeError, ValueError) as e:
+            return _fail(f"{flag} {value}: {e}")
     try:
         structured = _structured_options(args)
     except ValueError as e:

@@ -100,6 +100,17 @@ def test_rows_the_server_refuses_fail_alone_with_its_codes(tmp_path, capsys):
     assert "lower max_tokens to at most" in errors["sms-2"]["message"]
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "nan"], "--temperature nan: temperature must be a finite number >= 0, got nan"),
+    (["--seed", str(2**70)], f"--seed {2**70}: seed must be a 64-bit integer"),
+])
+def test_a_bad_temperature_or_seed_names_that_flag_alone(tmp_path, capsys, flags, message):
+    inp, out = _one_row_job(tmp_path)
+    assert main(["run", str(inp), "-o", str(out), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and ("--seed" in flags) == ("--seed" in err), err
+
+
 def test_help_explains_formats_and_resuming(capsys):
     with pytest.raises(SystemExit):
         main(["run", "--help"])
