@@ -111,6 +111,11 @@ class LanguageModel:
     def _messages(self, prompt: Prompt) -> list[Message]:
         if isinstance(prompt, str):
             return self._initial + [{"role": "user", "content": prompt}]
+        if isinstance(prompt, dict):
+            raise TypeError("a prompt is a string or a list of chat messages; this is one message: put it in a list")
+        if not isinstance(prompt, (list, tuple)):
+            raise TypeError(f"a prompt is a string or a list of chat messages, got {type(prompt).__name__}: "
+                            f"{prompt!r:.60}")
         # A prompt's own system message replaces the session's, as a job row's replaces --system.
         return with_default_system(self._initial, _check_messages(list(prompt), "a prompt"))
 

@@ -117,3 +117,13 @@ def test_top_level_batch_prompt(engine32, messages):
 def test_unknown_model_is_a_clear_error():
     with pytest.raises(bp.ModelNotFoundError, match="unknown model 'no-such-model'"):
         bp.LanguageModel.create(model="no-such-model")
+
+
+def test_a_prompt_of_the_wrong_type_fails_alone_naming_what_a_prompt_is(lm):
+    results = lm.batch_prompt(["hi", None, 5, {"role": "user", "content": "x"}, b"hi"], max_tokens=2)
+    assert results[0].ok
+    for r, got in zip(results[1:3], ("NoneType: None", "int: 5")):
+        assert f"a prompt is a string or a list of chat messages, got {got}" in r.error
+    assert "this is one message: put it in a list" in results[3].error
+    assert "got bytes: b'hi'" in results[4].error
+
