@@ -49,6 +49,7 @@ class DynamicFunction:
         return p.call_one(item)
 
     def many(self, items: Sequence, *, priority: int = 0, timeout: float | None = None) -> list:
+        _check_priority(priority)
         p = self.processor
         return p.wait(p.submit(items, priority, timeout), timeout)
 
@@ -70,6 +71,7 @@ class DynamicFunction:
         return await Waiter(group, pos, None)
 
     async def amany(self, items: Sequence, *, priority: int = 0, timeout: float | None = None) -> list:
+        _check_priority(priority)
         p = self.processor
         loop = asyncio.get_running_loop()
         while True:
@@ -86,11 +88,13 @@ class DynamicFunction:
         """Results for `items` in input order, while later items are still queued; at most
         `max_in_flight` items are taken from `items` and not yet yielded. An item's error is
         raised at its turn and ends the iteration."""
+        _check_priority(priority)
         return stream.imap(self.processor, items, max_in_flight, priority)
 
     def aimap(self, items: Iterable | AsyncIterable, *, max_in_flight: int = 1024,
               priority: int = 0) -> AsyncIterator:
         """`imap` for asyncio: `async for result in f.aimap(items)`; `items` may be an async iterable."""
+        _check_priority(priority)
         return stream.aimap(self.processor, items, max_in_flight, priority)
 
     @property
@@ -158,3 +162,8 @@ def dynamically(fn: Callable | None = None, /, *, batch_size: int = 32, timeout_
         return DynamicFunction(f, options)
 
     return wrap(fn) if fn is not None else wrap
+
+
+def _check_priority(priority) -> None:
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise TypeError(f"priority must be an integer (higher goes first), got {priority!r}")

@@ -428,3 +428,16 @@ def test_options_are_checked():
         bp.dynamically(batch_size=0)
     with pytest.raises(ValueError, match="cost= and max_batch_cost="):
         bp.dynamically(cost=len)
+
+
+def test_a_priority_that_is_not_an_integer_is_refused_by_name():
+    @bp.dynamically(batch_size=4)
+    def double(xs):
+        return [2 * x for x in xs]
+
+    for call in (lambda: double(1, priority="high"), lambda: double.many([1], priority=1.5),
+                 lambda: double.imap([1], priority="high"), lambda: double.aimap([1], priority=None),
+                 lambda: asyncio.run(double.acall(1, priority="high"))):
+        with pytest.raises(TypeError, match="priority must be an integer"):
+            call()
+    assert double(3, priority=2) == 6
