@@ -60,6 +60,7 @@ class Tokenizer:
         (`tokenizer(text)`): with the BOS token where the tokenizer adds one (Llama), as vLLM
         does for a completion prompt. `add_special_tokens=False` for a piece of text that
         continues a sequence (a choice label after the prompt)."""
+        _check_unicode(text)
         with self._lock:
             return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
@@ -83,3 +84,15 @@ class Tokenizer:
         `apply_chat_template(..., tokenize=True)`'s and a template's BOS is never doubled.
         Without a template the joined text is a raw prompt and gets what `encode` adds."""
         return self.encode(self.render(prompt, system), add_special_tokens=not self.has_chat_template)
+
+
+def _check_unicode(text: str) -> None:
+    """A lone surrogate (JSON's "\\ud800" without its pair) is not text the tokenizer can
+    encode: say where it is, rather than the tokenizer's own TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text holds a lone surrogate {text[e.start]!r}, which is not valid Unicode (a "
+                         f"character cut in half?): pair it or remove it") from None
+    except AttributeError:  # not a str: the tokenizer says what it takes
+        pass

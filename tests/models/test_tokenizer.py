@@ -96,3 +96,14 @@ def test_engine_runs_a_raw_text_prompt_with_the_bos(tiny_model_dir, tmp_path):
     out = engine.generate(["hello world"], SamplingParams(max_tokens=1))[0]
     assert out.error is None
     assert out.prompt_token_ids == hf("hello world")["input_ids"] and out.prompt_token_ids[0] == hf.bos_token_id
+
+
+def test_a_lone_surrogate_is_named_not_the_tokenizers_type_error():
+    """JSON's "\\ud800" without its pair reaches Python as a lone surrogate, which no tokenizer
+    encodes: one ValueError saying so, for a raw prompt and for chat messages."""
+    tok = Tokenizer.load(resolve_model(None))
+    for encode in (lambda: tok.encode("lone \udc00 surrogate"),
+                   lambda: tok.encode_prompt([{"role": "user", "content": "hi \ud800"}])):
+        with pytest.raises(ValueError, match=r"lone surrogate '\\ud[c8]00', which is not valid Unicode"):
+            encode()
+    assert tok.encode("a pair \U0001F600 is fine")
