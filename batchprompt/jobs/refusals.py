@@ -52,6 +52,7 @@ def check_context(ids: list[int], max_model_len: int, what: str, max_tokens: int
     return ids
 
 
-def asked_max_tokens(body: dict) -> int | None:
-    """The body's own max_tokens (max_completion_tokens first), None when it gives none."""
-    return body.get("max_completion_tokens", body.get("max_tokens"))
+def asked_max_tokens(body: dict, params) -> int | None:
+    """`params.max_tokens` where the body gives its own max_tokens (or max_completion_tokens),
+    None where it gives none (a default applies, cut at the context's end)."""
+    return params.max_tokens if body.get("max_completion_tokens", body.get("max_tokens")) is not None else None

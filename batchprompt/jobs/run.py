@@ -365,9 +365,8 @@ class JobRun:
                 ids = render(row, tok, self.opts.system)
                 # A max_tokens the row asks for must fit beside its prompt, as the server checks it;
                 # the job's default is cut at the context's end instead.
-                asked = params.max_tokens if refusals.asked_max_tokens(row.body) is not None else None
                 refusals.check_context(ids, service.max_model_len, "the messages" if row.url == CHAT else "the prompt",
-                                       asked)
+                                       refusals.asked_max_tokens(row.body, params))
                 per_choice = [params if n == 1 or params.seed is None else
                               SamplingParams(**{**asdict(params), "seed": params.seed + choice}) for choice in range(n)]
             except Exception as e:  # any failure to prepare one row (a chat template that raises) is its own

@@ -88,7 +88,7 @@ class Tokenizer:
 
 def _check_unicode(text: str) -> None:
     """A lone surrogate (JSON's "\\ud800" without its pair) is not text the tokenizer can
-    encode: say where it is, rather than the tokenizer's own TypeError."""
+    encode: say so, rather than the tokenizer's own TypeError."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:

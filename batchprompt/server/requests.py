@@ -8,6 +8,7 @@ defaults (temperature 1, max_tokens 16 for completions), and refusing fields it 
 (echo, suffix, tools, beam search, prompt_logprobs)."""
 from __future__ import annotations
 
+import contextlib
 import uuid
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -42,7 +43,7 @@ def plan_chat(body: dict, tokenizer, max_model_len: int) -> Plan:
     # Unset max_tokens: the rest of the context, as vLLM (the engine stops at the context's end).
     opts = JobOptions(input="-", output="-", max_tokens=max_model_len, temperature=TEMPERATURE)
     params, n, spec = _params(row, opts, tokenizer)
-    ids = _checked(_render(row, tokenizer), max_model_len, "the messages", _asked_tokens(body, params))
+    ids = _checked(_render(row, tokenizer), max_model_len, "the messages", refusals.asked_max_tokens(body, params))
     return Plan(rid, [row], n, _choices([ids], params, n, spec), _token_text(tokenizer))
 
 
@@ -72,15 +73,22 @@ def plan_row(row: Row, tokenizer, max_model_len: int) -> list[Prepared]:
     opts = JobOptions(input="-", output="-", max_tokens=max_model_len if row.url == CHAT else COMPLETION_MAX_TOKENS,
                       temperature=TEMPERATURE)
     params, n, spec = _params(row, opts, tokenizer)
-    asked = _asked_tokens(row.body, params) if row.url == CHAT else params.max_tokens
+    asked = refusals.asked_max_tokens(row.body, params) if row.url == CHAT else params.max_tokens
     ids = _checked(_render(row, tokenizer), max_model_len, "the messages" if row.url == CHAT else "the prompt", asked)
     return _choices([ids], params, n, spec)
 
 
 def refuse_unsupported(body: dict) -> dict:
     """The body to plan, or ApiError naming a field this server cannot honour."""
-    try:
+    with _refusal_as_400():
         return refusals.refuse_unsupported(body)
+
+
+@contextlib.contextmanager
+def _refusal_as_400():
+    """refusals.Refused (shared with `batchprompt run`) as the server's 400, with its code and param."""
+    try:
+        yield
     except refusals.Refused as e:
         raise ApiError(400, str(e), e.code, e.param) from None
 
@@ -143,17 +151,10 @@ def _render(row: Row, tokenizer) -> list[int]:
         raise ApiError(400, f"the prompt cannot be rendered: {type(e).__name__}: {e}", "invalid_prompt") from None
 
 
-def _asked_tokens(body: dict, params) -> int | None:
-    """A chat's max_tokens when the body gives one (unset: the rest of the context)."""
-    return params.max_tokens if refusals.asked_max_tokens(body) is not None else None
-
-
 def _checked(ids: list[int], max_model_len: int, what: str, max_tokens: int | None) -> list[int]:
     """The prompt's ids, or a 400 where the prompt plus `max_tokens` (when asked for) does not fit."""
-    try:
+    with _refusal_as_400():
         return refusals.check_context(ids, max_model_len, what, max_tokens)
-    except refusals.Refused as e:
-        raise ApiError(400, str(e), e.code, e.param) from None
 
 
 def _choices(all_ids: list[list[int]], params, n: int, spec) -> list[Prepared]:
