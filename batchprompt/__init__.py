@@ -1,4 +1,5 @@
 """batchprompt: run a language model over many independent prompts, fast and safely."""
+from . import openmp_spin  # noqa: F401  (first: it sets libgomp's spin before torch loads it)
 from .api import (Batch, BatchError, EngineStoppedError, LanguageModel, Progress, Result,
                   SessionDestroyedError, Usage, abatch_prompt, batch_prompt, shutdown)
 from .dynamic import BatchStats, DeadlineExceeded, QueueFull, WorkerDied, dynamically

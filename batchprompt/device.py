@@ -53,24 +53,26 @@ def available_memory(device: torch.device) -> int:
 
 
 # ---- the thread that steps an engine ------------------------------------------------------------
-# Why an idle OpenMP team is held. PyTorch's CPU ops run on libgomp, where every thread that
-# enters a parallel region owns a team of its own (the intra-op count less one worker threads)
-# until that thread ends. A thread that waits (a worker between regions, or one at a region's
-# closing barrier) spins for about 300,000 iterations, milliseconds, before it sleeps, but for
-# only about 100 while the process's OpenMP threads outnumber the CPUs. An engine stepped on a
-# thread whose team is the process's only one gets the long spin: its workers spin through the
-# Python run between the hundreds of regions of a step, and each region waits at its end for a
-# thread the OS put off in favour of a spinning one whenever anything else wants a CPU (callers
-# tokenizing prompts, the callback thread, other processes): decoding ran 7 to 30 times slower
-# on a busy 2-core machine. Whether another team was there depended on where the engine was
-# built: the main thread's team stays; that of a worker thread that ended (asyncio.to_thread,
-# a server's thread) went with it. An idle team held for the life of the process makes the
-# short wait the rule wherever the engine was built, as it already was when built on the main
-# thread. (The long spin can be faster on a machine left to the engine alone, but it is the
-# cliff above as soon as it is not.) Setting the environment from here would not do:
-# libgomp reads OMP_WAIT_POLICY and GOMP_SPINCOUNT once, when `import torch` loads it; where a
-# user set either, their choice stands.
-WAIT_POLICY_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+# How the engine's OpenMP threads wait. PyTorch's CPU ops run on libgomp, where every thread
+# that enters a parallel region owns a team of its own (the intra-op count less one worker
+# threads) until that thread ends. A thread that waits (a worker between regions, or one at a
+# region's closing barrier) spins for GOMP_SPINCOUNT iterations before it sleeps (about 300,000,
+# milliseconds, unless set), but for only about 100 while the process's OpenMP threads outnumber
+# the CPUs. A step is hundreds of regions with Python between them, so which of the two applies
+# decides how fast an engine runs (see openmp_spin.py for the figures):
+# - where batchprompt was imported before torch, openmp_spin set a spin of 1,000, fast when the
+#   machine is the engine's and safe when it is not. The engine is built and stepped on its own
+#   thread (EngineService), so its team is the process's only one and gets that spin, unless
+#   other threads run parallel ops too (then every team gets the short spin, as below).
+# - where torch came first and the user chose nothing, the long spin is in force: an engine
+#   whose team is the process's only one ran 7 to 30 times slower on a busy 2-core machine (its
+#   workers spin, and each region waits at its end for a thread the OS put off in favour of a
+#   spinning one). An idle team held for the life of the process makes the short wait the rule
+#   there.
+# - where the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT, their choice stands: no idle team.
+# Setting the environment from here would not do: libgomp reads it once, when `import torch`
+# loads it, which happened before this module (it imports torch).
+from .openmp_spin import WAIT_POLICY_VARIABLES  # noqa: E402
 IDLE_TEAM_THREAD_NAME = "bp-omp-idle"  # the OS name of the idle team's threads (15 bytes at most)
 ENGINE_THREAD_NAME = "bp-engine"  # ... and of the engine thread and its OpenMP workers
 _idle_team: threading.Thread | None = None
@@ -80,9 +82,9 @@ _idle_team_lock = threading.Lock()
 def prepare_engine_thread() -> None:
     """Call first on a thread that will step an engine (the service's engine thread), before
     it runs any op. Names the thread (its OpenMP workers inherit the name: `top -H` and py-spy
-    show the engine's threads as bp-engine) and makes sure that an idle OpenMP team is held
-    for the life of the process, so that the engine's threads wait briefly, as when it was
-    built on the main thread, wherever it was built (see the note above). Never raises."""
+    show the engine's threads as bp-engine) and, where libgomp's long spin is in force, makes
+    sure that an idle OpenMP team is held for the life of the process, so that the engine's
+    threads wait briefly (see the note above). Never raises."""
     set_os_thread_name(ENGINE_THREAD_NAME)
     hold_idle_openmp_team()
 
@@ -90,8 +92,9 @@ def prepare_engine_thread() -> None:
 def hold_idle_openmp_team(timeout: float = 10.0) -> bool:
     """Start, once per process, a thread that opens one parallel region and then waits for
     ever, so its team (as many threads as the intra-op count, all asleep) stays. Returns
-    whether one is held. None is made with one intra-op thread (no team, nothing waits) or
-    where the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT (their choice of waiting stands)."""
+    whether one is held. None is made with one intra-op thread (no team, nothing waits), where
+    the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT (their choice of waiting stands), or where
+    openmp_spin set GOMP_SPINCOUNT (a bounded spin, which the engine's team is to keep)."""
     global _idle_team
     with _idle_team_lock:
         if _idle_team is None or not _idle_team.is_alive():  # not alive: the process forked

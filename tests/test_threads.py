@@ -44,10 +44,12 @@ def thread_names():
 """
 
 
-def run_fresh(code: str, **env: str) -> dict:
-    """Run `code` in a fresh interpreter; it prints one JSON object last, returned here."""
+def run_fresh(code: str, prelude: bool = True, **env: str) -> dict:
+    """Run `code` in a fresh interpreter (after PRELUDE, which imports torch first, unless
+    `prelude` is False); it prints one JSON object last, returned here."""
     environ = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    out = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], capture_output=True,
+    source = (PRELUDE if prelude else "") + textwrap.dedent(code)
+    out = subprocess.run([sys.executable, "-c", source], capture_output=True,
                          text=True, timeout=TIMEOUT_S, cwd=ROOT, env={**environ, "HF_HUB_OFFLINE": "1", **env})
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -108,3 +110,40 @@ def test_no_idle_team_without_a_team_or_where_the_user_chose_the_waiting(threads
         print(json.dumps({{"names": thread_names()}}))
     """, **env)
     assert IDLE not in got["names"], got["names"]
+
+
+@pytest.mark.slow
+def test_imported_before_torch_the_engine_is_built_on_its_thread_whose_team_is_the_only_one():
+    """batchprompt first: the bounded spin is set (openmp_spin.py), the engine is built and stepped
+    on the service's thread, and no other team is there (no idle team, none on the main thread),
+    so that the engine's team keeps that spin."""
+    got = run_fresh("""
+        import json, os, threading
+        import batchprompt as bp
+        import torch
+        from batchprompt.engine import LLMEngine
+
+        torch.set_num_threads(2)
+        built_on = []
+        original = LLMEngine.from_pretrained.__func__
+
+        def recording(cls, *args, **kwargs):
+            built_on.append(threading.current_thread().name)
+            return original(cls, *args, **kwargs)
+
+        LLMEngine.from_pretrained = classmethod(recording)
+        lm = bp.LanguageModel.create(max_tokens=2, engine_options={"kv_cache_memory": 64 << 20})
+        lm.prompt("Say hi")
+        names = {}
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            names[name] = names.get(name, 0) + 1
+        print(json.dumps({"spin": os.environ.get("GOMP_SPINCOUNT"), "built_on": built_on, "names": names,
+                          "main": threading.main_thread().name}))
+    """, prelude=False)
+    assert got["spin"] == "1000"
+    assert len(got["built_on"]) == 1 and got["built_on"][0].startswith("batchprompt-engine-"), got["built_on"]
+    names = got["names"]
+    assert IDLE not in names, names
+    assert names.get(ENGINE) == 2, names  # the engine thread and its one worker

@@ -41,8 +41,13 @@ SHUT_DOWN = "the engine was shut down (bp.shutdown() or LanguageModel.close())"
 class EngineService:
     """The local backend (see backends/base.py): one engine in this process."""
 
-    def __init__(self, engine: LLMEngine, name: str = "model", lookahead_s: float = 2.0):
-        self._engine: LLMEngine | None = engine
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], name: str = "model", lookahead_s: float = 2.0):
+        """`engine`: an engine, or a function that builds one. The service calls that function
+        on its engine thread (the constructor waits for it, and raises what it raises), so the
+        engine's parallel ops, from loading on, run on one thread: the caller's thread gets no
+        OpenMP team of its own, and the engine's team keeps the waiting that device.py explains."""
+        build = None if isinstance(engine, LLMEngine) else engine
+        self._engine: LLMEngine | None = None if build is not None else engine
         self.name = name
         self.lookahead_s = lookahead_s
         self._cond = threading.Condition()
@@ -57,8 +62,25 @@ class EngineService:
         self.stop_reason: str | None = None  # why the service stopped, once it has
         self._callbacks = CallbackThread(f"batchprompt-callbacks-{name}")
         self._dispatcher = self._callbacks.thread
-        self._thread = threading.Thread(target=self._loop, name=f"batchprompt-engine-{name}", daemon=True)
+        self._built: Future = Future()
+        self._thread = threading.Thread(target=self._loop, args=(build,), name=f"batchprompt-engine-{name}",
+                                        daemon=True)
         self._thread.start()
+        if build is not None:
+            self._wait_built()
+
+    def _wait_built(self) -> None:
+        """Wait for the engine thread to build the engine; its exception is raised here. If the
+        wait itself is interrupted (Ctrl-C while loading), the thread ends once the build does."""
+        try:
+            self._built.result()
+        except BaseException:
+            with self._cond:
+                if not self._stopping:
+                    self._stopping, self.stop_reason = True, "the engine's build failed or was interrupted"
+                self._cond.notify()
+            self._callbacks.close()
+            raise
 
     @property
     def engine(self) -> LLMEngine:
@@ -186,8 +208,15 @@ class EngineService:
             self._dispatcher.join()
 
     # ---- engine thread ----------------------------------------------------------------------
-    def _loop(self) -> None:
+    def _loop(self, build: Callable[[], LLMEngine] | None) -> None:
         prepare_engine_thread()  # before this thread runs any op: why, in device.py
+        if build is not None:
+            try:
+                self._engine = build()
+            except BaseException as e:  # noqa: BLE001  (raised in the constructor's thread)
+                self._built.set_exception(e)
+                return
+            self._built.set_result(None)
         failure = None  # why the loop died, as text: the exception's traceback holds the engine
         try:
             while True:
@@ -389,8 +418,9 @@ def get_service(model: str | LLMEngine | None = None, *, device: str = "auto", d
             if isinstance(model, LLMEngine):
                 engine, name = model, "engine"
             else:
-                engine = LLMEngine.from_pretrained(str(source.path), device=device, dtype=dtype,
-                                                   **(engine_options or {}))
+                def engine() -> LLMEngine:  # built on the service's engine thread
+                    return LLMEngine.from_pretrained(str(source.path), device=device, dtype=dtype,
+                                                     **(engine_options or {}))
                 name = source.name
             service = _services[key] = EngineService(engine, name=f"{name}-{next(_service_ids)}")
         return service

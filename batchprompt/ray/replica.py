@@ -46,9 +46,10 @@ class Replica:
         if threads:
             torch.set_num_threads(threads)
         source = resolve_model(model)
-        engine = LLMEngine.from_pretrained(str(source.path), device=device, dtype=dtype, **(engine_options or {}))
         self._model_name = source.name
-        self._service = EngineService(engine, name=f"replica{os.getpid()}")
+        self._service = EngineService(  # built on the service's engine thread
+            lambda: LLMEngine.from_pretrained(str(source.path), device=device, dtype=dtype, **(engine_options or {})),
+            name=f"replica{os.getpid()}")
         self._blocks: dict[int, Any] = {}  # block id -> its Source, while it runs
 
     def info(self) -> ReplicaInfo:

@@ -1,0 +1,52 @@
+"""EngineService builds its engine on its own engine thread: what the build raises reaches the
+caller as it was raised, and a failed build leaves no thread behind."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import batchprompt as bp
+from batchprompt.api.service import EngineService
+
+
+def service_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(("batchprompt-engine-", "batchprompt-callbacks-"))]
+
+
+def wait_gone(before: set[threading.Thread], timeout: float = 10.0) -> list[threading.Thread]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [t for t in service_threads() if t not in before]
+        if not left:
+            return []
+        time.sleep(0.05)
+    return left
+
+
+def test_a_build_that_raises_raises_in_the_callers_thread_and_leaves_no_thread():
+    before = set(service_threads())
+
+    def build():
+        raise ValueError("max_num_seqs must be >= 1")
+
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineService(build, name="broken")
+    assert wait_gone(before) == []
+
+
+def test_a_bad_engine_option_is_the_engines_own_error():
+    before = set(service_threads())
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        bp.LanguageModel.create(engine_options={"max_num_seqs": 0})
+    assert wait_gone(before) == []
+
+
+def test_the_built_engine_is_stepped_by_the_service(engine32):
+    service = EngineService(lambda: engine32, name="built")
+    try:
+        assert service.engine is engine32
+        assert service.call(lambda: threading.current_thread().name).result(timeout=60) == "batchprompt-engine-built"
+    finally:
+        service.shutdown()
