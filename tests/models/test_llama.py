@@ -114,23 +114,20 @@ def test_embedded_model_matches_transformers_gguf_loader(ops):
     assert (got.argmax(-1) == expected.argmax(-1)).all()
 
 
-@pytest.mark.parametrize("rows", [128, 57])  # 57: padded to 64 rows in the packed GEMMs
+@pytest.mark.parametrize("rows", [128, 57, 200])  # padded to 64 rows (57) and 208 (200)
 @pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 0.01), (torch.float32, 1e-5)])
-def test_packed_weights_for_small_batches_give_the_same_logits(tmp_path, dtype, tolerance, rows):
-    """On the CPU, steps of up to PACKED_MAX_ROWS tokens use oneDNN-packed weights; their
+def test_packed_weights_give_the_same_logits(tmp_path, dtype, tolerance, rows):
+    """On the CPU, every step uses oneDNN-packed weights where the build can pack them; their
     logits equal the plain GEMMs' to the dtype's rounding."""
     from transformers import LlamaForCausalLM
 
-    from batchprompt.models.llama import PACKED_MAX_ROWS
-
-    assert rows <= PACKED_MAX_ROWS
     torch.manual_seed(4)
     LlamaForCausalLM(tiny_hf_config(tie_word_embeddings=True)).save_pretrained(tmp_path)
     args, weights = load_hf_weights(resolve_model(tmp_path))
     model = build_model(args, weights, dtype, torch.device("cpu"))
     ids = torch.randint(0, 97, (rows,)).tolist()
     plain = full_logits(model, ids)
-    if not model.pack_for_small_batches():
+    if not model.pack_weights():
         pytest.skip("this PyTorch build cannot pack weights for oneDNN")
     assert model.head_packed is not None and model.layers[0].gate_up.packed is not None
     packed = full_logits(model, ids)
@@ -140,16 +137,16 @@ def test_packed_weights_for_small_batches_give_the_same_logits(tmp_path, dtype, 
 
 
 def test_packed_gemms_meet_few_row_counts(tmp_path, monkeypatch):
-    """oneDNN compiles and keeps a kernel (about 0.6 MiB) for every row count a packed GEMM
-    meets: steps of any size up to 128 tokens must meet only 1-8 and multiples of 8, or a
-    server's memory grows with each new step size it sees (by about 375 MiB in all)."""
+    """oneDNN compiles and keeps a kernel for every row count a packed GEMM meets: steps of up
+    to 128 tokens must meet only 1-8 and multiples of 8, and larger ones 8 row counts per
+    doubling, or a server's memory grows with each new step size it sees (see gemm_rows)."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(4)
     LlamaForCausalLM(tiny_hf_config()).save_pretrained(tmp_path)
     args, weights = load_hf_weights(resolve_model(tmp_path))
     model = build_model(args, weights, torch.float32, torch.device("cpu"))
-    if not model.pack_for_small_batches():
+    if not model.pack_weights():
         pytest.skip("this PyTorch build cannot pack weights for oneDNN")
     seen: set[int] = set()
     real = torch.ops.mkldnn._linear_pointwise
@@ -159,9 +156,11 @@ def test_packed_gemms_meet_few_row_counts(tmp_path, monkeypatch):
         return real(x, *rest)
 
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
-    for n in (3, 9, 20, 57, 100):
+    for n in (3, 9, 20, 57, 100, 129, 200, 250):
         full_logits(model, torch.randint(0, 97, (n,)).tolist())
-    assert seen and seen <= set(range(1, 9)) | set(range(8, 129, 8)), sorted(seen)
+    allowed = set(range(1, 9)) | set(range(8, 129, 8)) | set(range(144, 257, 16)) | set(range(288, 513, 32))
+    assert seen and seen <= allowed, sorted(seen - allowed)
+    assert {144, 208, 256} <= seen  # the steps over 128 tokens went through the packed GEMMs
 
 
 def _bf16_tiny_model(tmp_path):
@@ -175,10 +174,10 @@ def _bf16_tiny_model(tmp_path):
 
 
 def test_plain_bfloat16_gemms_meet_few_row_counts(tmp_path, monkeypatch):
-    """oneDNN keeps several MiB for every row count a bfloat16 GEMM meets on the CPU: steps of
-    more than PACKED_MAX_ROWS tokens must meet 8 row counts per doubling (multiples of 16 up
-    to 256, of 32 up to 512, ...), or a server's memory grows with each new step size (about
-    100 KiB a request, without end)."""
+    """oneDNN keeps several MiB for every row count a bfloat16 GEMM meets on the CPU, also
+    without the packed weights: steps of more than 128 tokens must meet 8 row counts per
+    doubling (multiples of 16 up to 256, of 32 up to 512, ...), or a server's memory grows with
+    each new step size (about 100 KiB a request, without end)."""
     import torch.nn.functional as F
 
     model = _bf16_tiny_model(tmp_path)
