@@ -132,7 +132,7 @@ def test_imported_before_torch_the_engine_is_built_on_its_thread_whose_team_is_t
             return original(cls, *args, **kwargs)
 
         LLMEngine.from_pretrained = classmethod(recording)
-        lm = bp.LanguageModel.create(max_tokens=2, engine_options={"kv_cache_memory": 64 << 20})
+        lm = bp.LanguageModel.create(max_tokens=2, engine_options={"kv_cache_memory": 64 << 20, "max_model_len": 1024})
         lm.prompt("Say hi")
         names = {}
         for tid in os.listdir("/proc/self/task"):

@@ -48,6 +48,7 @@ class EngineService:
         OpenMP team of its own, and the engine's team keeps the waiting that device.py explains."""
         build = None if isinstance(engine, LLMEngine) else engine
         self._engine: LLMEngine | None = None if build is not None else engine
+        self.engine_options: dict = {}  # what get_service built it with
         self.name = name
         self.lookahead_s = lookahead_s
         self._cond = threading.Condition()
@@ -419,11 +420,35 @@ def get_service(model: str | LLMEngine | None = None, *, device: str = "auto", d
                 engine, name = model, "engine"
             else:
                 def engine() -> LLMEngine:  # built on the service's engine thread
-                    return LLMEngine.from_pretrained(str(source.path), device=device, dtype=dtype,
-                                                     **(engine_options or {}))
+                    return build_engine(str(source.path), device, dtype, engine_options)
                 name = source.name
             service = _services[key] = EngineService(engine, name=f"{name}-{next(_service_ids)}")
+            service.engine_options = dict(engine_options or {})
+        elif engine_options is not None and dict(engine_options) != service.engine_options:
+            raise ValueError(
+                f"this process's engine for {model if model is not None else 'the embedded model'} already runs with "
+                f"engine_options={service.engine_options}; engine_options={dict(engine_options)} need a new one: "
+                f"call bp.shutdown() first (it ends the sessions on that engine), or leave engine_options out "
+                f"to share the running engine")
         return service
+
+
+class KVCacheTooSmall(ValueError):
+    """The KV budget asked for cannot hold one request of the full context."""
+
+
+def build_engine(path: str, device: str, dtype: str, engine_options: dict | None) -> LLMEngine:
+    """An engine for the model at `path`. Refused, as vLLM refuses to start, where its KV cache
+    cannot hold one request of the full context: a budget that small answers every request with
+    an error (or none at all, when even a session's system prompt does not fit)."""
+    engine = LLMEngine.from_pretrained(path, device=device, dtype=dtype, **(engine_options or {}))
+    tokens = engine.pool.max_blocks * engine.config.block_size
+    if tokens < engine.max_model_len:
+        raise KVCacheTooSmall(
+            f"the KV cache holds {tokens} tokens, fewer than one request of the full context (max_model_len "
+            f"{engine.max_model_len} tokens): raise kv_cache_memory (--kv-cache-memory), or lower max_model_len "
+            f"(--max-model-len) to at most {tokens}")
+    return engine
 
 
 def _unregister(service: EngineService) -> None:

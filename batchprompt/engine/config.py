@@ -1,7 +1,12 @@
 """EngineConfig: the engine's knobs, validated once."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+# The fields that take whole numbers (None where the field allows it).
+_WHOLE_NUMBERS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory",
+                  "max_starved_steps")
 
 
 @dataclass(frozen=True)
@@ -35,11 +40,27 @@ class EngineConfig:
     # has its oldest request promoted above every class until it finishes: nothing starves.
     max_starved_steps: int = 32
 
+    @classmethod
+    def from_options(cls, options: dict) -> "EngineConfig":
+        """EngineConfig(**options), where an unknown name is a TypeError listing the known ones."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise TypeError(f"unknown engine option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: "
+                            f"the options are EngineConfig's fields: {', '.join(known)}")
+        return cls(**options)
+
     def __post_init__(self) -> None:
+        for name in _WHOLE_NUMBERS:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name} must be a whole number{' of bytes' if name == 'kv_cache_memory' else ''}, "
+                                f"got {value!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.kv_memory_fraction <= 0.95:
             raise ValueError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -72,7 +72,7 @@ class LLMEngine:
     def from_pretrained(cls, model: str | None = None, *, dtype: str | torch.dtype = "auto",
                         device: str = "auto", **config) -> "LLMEngine":
         """Load `model` (see `resolve_model`) and build an engine; `config` goes to EngineConfig."""
-        cfg = EngineConfig(**config)
+        cfg = EngineConfig.from_options(config)
         dev = resolve_device(device)
         source = resolve_model(model)
         args, weights = load_hf_weights(source)

@@ -39,8 +39,7 @@ class Replica:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         import torch
 
-        from ..api.service import EngineService
-        from ..engine import LLMEngine
+        from ..api.service import EngineService, build_engine
         from ..models import resolve_model
 
         if threads:
@@ -48,8 +47,7 @@ class Replica:
         source = resolve_model(model)
         self._model_name = source.name
         self._service = EngineService(  # built on the service's engine thread
-            lambda: LLMEngine.from_pretrained(str(source.path), device=device, dtype=dtype, **(engine_options or {})),
-            name=f"replica{os.getpid()}")
+            lambda: build_engine(str(source.path), device, dtype, engine_options), name=f"replica{os.getpid()}")
         self._blocks: dict[int, Any] = {}  # block id -> its Source, while it runs
 
     def info(self) -> ReplicaInfo:

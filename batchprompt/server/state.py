@@ -56,9 +56,8 @@ class ServerState:
 
     # ---- the model ---------------------------------------------------------------------------
     def load(self) -> None:
-        """Load the model and start its engine, on the calling thread: the main thread. (An
-        engine built on another thread ran 15-20x slower on a busy 2-core machine: its OpenMP
-        workers spin-wait against each other.)"""
+        """Load the model and start its engine (built on the engine's own thread, see
+        EngineService); the calling thread waits for it."""
         if self._service is not None:
             return
         t0 = time.perf_counter()

@@ -19,7 +19,7 @@ from ..conftest import SPAM_SYSTEM
 
 pytestmark = pytest.mark.slow
 
-SMALL = {"kv_cache_memory": 64 << 20, "max_num_batched_tokens": 256}
+SMALL = {"kv_cache_memory": 64 << 20, "max_num_batched_tokens": 256, "max_model_len": 1024}
 
 
 def test_device_dtype_and_engine_options_reach_the_engine_from_every_entry_point(engine32, monkeypatch,

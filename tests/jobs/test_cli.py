@@ -143,6 +143,15 @@ def test_bad_hardware_options_fail_before_any_work(tmp_path, capsys, flags, mess
     assert not out.exists() and not Path(str(out) + ".journal").exists()
 
 
+def test_a_kv_cache_too_small_for_one_full_context_request_is_one_error(tmp_path, capsys):
+    """It was a traceback (exit 1) once the engine refused the budget."""
+    inp, out = _one_row_job(tmp_path)
+    assert main(["run", str(inp), "-o", str(out), "--kv-cache-memory", "1000", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("batchprompt: error:") == 1 and "the KV cache holds 4 tokens" in err, err
+    assert "--kv-cache-memory" in err and "Traceback" not in err
+
+
 def test_unknown_dtype_is_a_usage_error(tmp_path, capsys):
     inp, out = _one_row_job(tmp_path)
     with pytest.raises(SystemExit) as e:

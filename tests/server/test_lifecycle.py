@@ -107,3 +107,13 @@ def test_ctrl_c_cancels_requests_in_flight_and_exits_0(server):
     assert events[-1] == "data: [DONE]"
     assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "shutting_down"
     assert "Traceback" not in server.output()
+
+
+def test_a_kv_cache_too_small_for_one_full_context_request_exits_2(tmp_path):
+    """It started and answered every request with a 400 that blamed the client ("raise
+    kv_cache_memory"); now, as vLLM does, it refuses to start and says which flags to change."""
+    p = subprocess.run([sys.executable, "-m", "batchprompt.server", "--port", "0", "--kv-cache-memory", "1000",
+                        "--data-dir", str(tmp_path / "data")], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr
+    assert "the KV cache holds 4 tokens" in p.stderr and "--kv-cache-memory" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr

@@ -1,0 +1,23 @@
+"""EngineConfig: bad options are one error naming the option and its value."""
+from __future__ import annotations
+
+import pytest
+
+from batchprompt.engine import EngineConfig
+
+
+@pytest.mark.parametrize("options, error, words", [
+    ({"no_such_option": 1}, TypeError, "unknown engine option no_such_option: the options are EngineConfig's fields: "
+                                       "block_size, max_num_seqs"),
+    ({"kv_cache_memory": "abc"}, TypeError, "kv_cache_memory must be a whole number of bytes, got 'abc'"),
+    ({"kv_cache_memory": 0.99}, TypeError, "kv_cache_memory must be a whole number of bytes, got 0.99"),
+    ({"max_num_seqs": "8"}, TypeError, "max_num_seqs must be a whole number, got '8'"),
+    ({"max_num_seqs": 0}, ValueError, "max_num_seqs must be >= 1, got 0"),
+    ({"max_num_batched_tokens": -1}, ValueError, "max_num_batched_tokens must be >= 1, got -1"),
+], ids=["unknown", "text bytes", "fraction as bytes", "text count", "zero", "negative"])
+def test_bad_engine_options_name_the_option_and_value(options, error, words):
+    """They were Python's own errors ("'<=' not supported between 'str' and 'int'", "unexpected
+    keyword argument"), a fraction taken as bytes, and a message naming two options for one."""
+    with pytest.raises(error) as e:
+        EngineConfig.from_options(options)
+    assert words in str(e.value)
