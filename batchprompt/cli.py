@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    from .api.service import KVCacheTooSmall
+    from .api.service import EngineOptionsConflict, KVCacheTooSmall
     from .jobs import InputError, JobOptions, JournalMismatch, run_job
     from .jobs.lock import JournalBusy
     from .jobs.sigterm import sigterm_as_interrupt
@@ -237,7 +237,8 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         with sigterm_as_interrupt():
             summary = run_job(opts)
-    except (InputError, ModelNotFoundError, JournalMismatch, JournalBusy, KVCacheTooSmall) as e:
+    except (InputError, ModelNotFoundError, JournalMismatch, JournalBusy, KVCacheTooSmall,
+            EngineOptionsConflict) as e:
         return _fail(str(e))
     except ClusterError as e:  # --ray: Ray cannot be reached, or no replica could start
         return _fail(str(e))

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from ..backends.base import Item, Source, answer, stopped_output  # noqa: F401  (the seam's types, imported from here too)
 from ..device import prepare_engine_thread
-from ..engine import EngineStats, LLMEngine, RequestOutput, SamplingParams
+from ..engine import EngineConfig, EngineStats, LLMEngine, RequestOutput, SamplingParams
 from .callbacks import CallbackThread
 from .result import EngineStoppedError
 
@@ -424,13 +424,18 @@ def get_service(model: str | LLMEngine | None = None, *, device: str = "auto", d
                 name = source.name
             service = _services[key] = EngineService(engine, name=f"{name}-{next(_service_ids)}")
             service.engine_options = dict(engine_options or {})
-        elif engine_options is not None and dict(engine_options) != service.engine_options:
-            raise ValueError(
+        elif engine_options and EngineConfig.from_options(engine_options) != EngineConfig.from_options(
+                service.engine_options):  # compared as configs: an option given at its default is no change
+            raise EngineOptionsConflict(
                 f"this process's engine for {model if model is not None else 'the embedded model'} already runs with "
                 f"engine_options={service.engine_options}; engine_options={dict(engine_options)} need a new one: "
                 f"call bp.shutdown() first (it ends the sessions on that engine), or leave engine_options out "
                 f"to share the running engine")
         return service
+
+
+class EngineOptionsConflict(ValueError):
+    """Other engine_options than those of the engine already running for the model."""
 
 
 class KVCacheTooSmall(ValueError):

@@ -55,6 +55,7 @@ def test_the_built_engine_is_stepped_by_the_service(engine32):
 def test_a_kv_budget_below_one_full_context_request_is_refused_and_leaves_no_engine():
     """A budget of 4 tokens built an engine that failed every call after it, whatever options
     those gave (they were ignored: the broken engine was shared), until bp.shutdown()."""
+    bp.shutdown()  # an engine of this process's earlier tests is not this test's
     before = set(service_threads())
     with pytest.raises(ValueError, match="the KV cache holds 4 tokens.*raise kv_cache_memory"):
         bp.batch_prompt(["hi"], max_tokens=2, engine_options={"kv_cache_memory": 1000})
@@ -67,10 +68,13 @@ def test_a_kv_budget_below_one_full_context_request_is_refused_and_leaves_no_eng
 
 def test_engine_options_that_differ_from_the_running_engines_are_an_error_not_ignored():
     small = {"max_num_seqs": 8, "max_model_len": 1024}
+    bp.shutdown()  # an engine of this process's earlier tests is not this test's
     try:
         lm = bp.LanguageModel.create(engine_options=small, max_tokens=2)
         assert bp.batch_prompt(["hi"], engine_options=dict(small), max_tokens=2)[0].ok  # the same: shared
         assert bp.batch_prompt(["hi"], max_tokens=2)[0].ok  # none given: shared
+        assert bp.batch_prompt(["hi"], engine_options={**small, "max_num_batched_tokens": 2048},
+                               max_tokens=2)[0].ok  # one more option, at its default: the same config
         with pytest.raises(ValueError, match=r"already runs with engine_options=.*bp\.shutdown\(\)"):
             bp.batch_prompt(["hi"], engine_options={"max_num_seqs": 4}, max_tokens=2)
         assert isinstance(lm.prompt("hi"), str)  # the running engine is untouched

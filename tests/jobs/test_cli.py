@@ -145,11 +145,31 @@ def test_bad_hardware_options_fail_before_any_work(tmp_path, capsys, flags, mess
 
 def test_a_kv_cache_too_small_for_one_full_context_request_is_one_error(tmp_path, capsys):
     """It was a traceback (exit 1) once the engine refused the budget."""
+    import batchprompt as bp
+
     inp, out = _one_row_job(tmp_path)
+    bp.shutdown()  # an engine of this process's earlier tests, with other options, is not this run's
     assert main(["run", str(inp), "-o", str(out), "--kv-cache-memory", "1000", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.count("batchprompt: error:") == 1 and "the KV cache holds 4 tokens" in err, err
     assert "--kv-cache-memory" in err and "Traceback" not in err
+
+
+def test_options_other_than_the_running_engines_are_one_error_in_process(tmp_path, capsys):
+    """`run` called in a process whose engine for the model runs with other options (a notebook,
+    a test): one error, exit 2, not a traceback, and the running engine is left alone."""
+    import batchprompt as bp
+
+    inp, out = _one_row_job(tmp_path)
+    bp.shutdown()
+    try:
+        assert bp.batch_prompt(["hi"], max_tokens=2, engine_options={"max_model_len": 1024})[0].ok
+        assert main(["run", str(inp), "-o", str(out), "--max-model-len", "2048", "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("batchprompt: error:") == 1 and "call bp.shutdown() first" in err, err
+        assert bp.batch_prompt(["hi"], max_tokens=2)[0].ok
+    finally:
+        bp.shutdown()
 
 
 def test_unknown_dtype_is_a_usage_error(tmp_path, capsys):
