@@ -9,6 +9,8 @@ import threading
 
 import torch
 
+from .openmp_spin import WAIT_POLICY_VARIABLES
+
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
            "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
 
@@ -72,7 +74,6 @@ def available_memory(device: torch.device) -> int:
 # - where the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT, their choice stands: no idle team.
 # Setting the environment from here would not do: libgomp reads it once, when `import torch`
 # loads it, which happened before this module (it imports torch).
-from .openmp_spin import WAIT_POLICY_VARIABLES  # noqa: E402
 IDLE_TEAM_THREAD_NAME = "bp-omp-idle"  # the OS name of the idle team's threads (15 bytes at most)
 ENGINE_THREAD_NAME = "bp-engine"  # ... and of the engine thread and its OpenMP workers
 _idle_team: threading.Thread | None = None

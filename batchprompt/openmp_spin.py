@@ -51,4 +51,4 @@ def bound_spin(environ: MutableMapping[str, str] = os.environ, platform: str = s
     return True
 
 
-SPIN_BOUNDED_HERE = bound_spin()
+bound_spin()

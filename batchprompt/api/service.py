@@ -424,8 +424,8 @@ def get_service(model: str | LLMEngine | None = None, *, device: str = "auto", d
                 name = source.name
             service = _services[key] = EngineService(engine, name=f"{name}-{next(_service_ids)}")
             service.engine_options = dict(engine_options or {})
-        elif engine_options and EngineConfig.from_options(engine_options) != EngineConfig.from_options(
-                service.engine_options):  # compared as configs: an option given at its default is no change
+        elif engine_options and EngineConfig.from_options(engine_options) != service.engine.config:
+            # Compared as configs: an option given at its default is no change.
             raise EngineOptionsConflict(
                 f"this process's engine for {model if model is not None else 'the embedded model'} already runs with "
                 f"engine_options={service.engine_options}; engine_options={dict(engine_options)} need a new one: "

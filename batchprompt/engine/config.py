@@ -56,9 +56,7 @@ class EngineConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise TypeError(f"{name} must be a whole number{' of bytes' if name == 'kv_cache_memory' else ''}, "
                                 f"got {value!r}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_starved_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.kv_memory_fraction <= 0.95:
@@ -67,5 +65,3 @@ class EngineConfig:
             raise ValueError("kv_cache_memory must be a positive number of bytes")
         if self.priority_slowdown is not None and not self.priority_slowdown > 1:
             raise ValueError(f"priority_slowdown must be > 1 (or None: no limit), got {self.priority_slowdown}")
-        if self.max_starved_steps < 1:
-            raise ValueError(f"max_starved_steps must be >= 1, got {self.max_starved_steps}")
