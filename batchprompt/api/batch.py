@@ -285,6 +285,17 @@ class Batch:
 
     def __iter__(self) -> Iterator[tuple[int, Result]]:
         """Results as they complete. Leaving early (break, an exception, Ctrl-C) cancels the rest."""
+        return self._as_completed(None)
+
+    def with_ticks(self, every: float) -> Iterator[tuple[int, Result] | None]:
+        """Iteration that also yields None whenever `every` seconds pass without a result, so a
+        consumer with work due on time (a journal's commit) gets its thread back while a long
+        prompt runs. Leaving early cancels the rest, as iteration does."""
+        if not every > 0:
+            raise ValueError(f"every must be a positive number of seconds, not {every!r}")
+        return self._as_completed(every)
+
+    def _as_completed(self, tick: float | None) -> Iterator:
         q: queue.SimpleQueue = queue.SimpleQueue()
         put = lambda i, r: q.put((i, r))  # noqa: E731
         seen = self._subscribe(put)
@@ -292,8 +303,15 @@ class Batch:
             self.start()
             for i in seen:
                 yield i, self._results[i]
-            for _ in range(self.total - len(seen)):
-                yield q.get()
+            remaining = self.total - len(seen)
+            while remaining:
+                try:
+                    got = q.get(timeout=tick)
+                except queue.Empty:  # only with a tick
+                    yield None
+                    continue
+                remaining -= 1
+                yield got
             if not on_callback_thread():
                 self._finished.wait()
         finally:

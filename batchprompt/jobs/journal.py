@@ -94,8 +94,16 @@ class Journal:
     def record(self, line: int, custom_id: str | None, ok: bool, record: dict[str, Any],
                prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
         self._pending.append((line, _text(custom_id), int(ok), record_json(record), prompt_tokens, completion_tokens))
-        if (len(self._pending) >= self.commit_every
-                or time.monotonic() - self._last_commit >= self.commit_seconds):
+        if len(self._pending) >= self.commit_every:
+            self.flush()
+        else:
+            self.flush_due()
+
+    def flush_due(self) -> None:
+        """Commit the pending rows if the last commit is `commit_seconds` old. A caller whose rows
+        may stop coming for a while (the rest of the job is one long prompt) calls this on a
+        timer, so a finished row waits at most about that long to become durable."""
+        if self._pending and time.monotonic() - self._last_commit >= self.commit_seconds:
             self.flush()
 
     def flush(self) -> None:

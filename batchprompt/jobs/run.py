@@ -429,7 +429,11 @@ class JobRun:
         t0 = time.perf_counter()
         interrupted_by = 0
         try:
-            for index, result in batch:
+            for got in batch.with_ticks(journal.commit_seconds / 2):
+                if got is None:  # no result for a while: what finished before becomes durable now
+                    journal.flush_due()
+                    continue
+                index, result = got
                 for p, choice in owners[index]:
                     p.choices[choice] = result
                     if any(c is None for c in p.choices):

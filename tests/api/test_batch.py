@@ -52,6 +52,17 @@ def test_iteration_as_completed(lm, messages):
     assert [got[i].text for i in range(6)] == [r.text for r in lm.batch_prompt(messages[:6])]
 
 
+def test_iteration_with_ticks_yields_none_while_waiting_and_the_same_results(lm, messages):
+    """A tick far shorter than a step: Nones between results, and the results of iteration."""
+    got = list(lm.create_batch(messages[:4]).with_ticks(0.001))
+    results = [g for g in got if g is not None]
+    assert len(results) == 4 and len(got) > 4
+    assert [r.text for _, r in sorted(results, key=lambda g: g[0])] == [r.text for r in lm.batch_prompt(messages[:4])]
+    for every in (0, -1, float("nan")):
+        with pytest.raises(ValueError, match="positive number of seconds"):
+            lm.create_batch(messages[:1]).with_ticks(every)
+
+
 def test_cancel_keeps_finished_results_and_stops_the_rest(lm, messages, engine32):
     prompts = messages * 3  # 72
     batch = lm.create_batch(prompts, max_tokens=40, temperature=0.0)

@@ -390,6 +390,34 @@ def test_resume_after_sigkill_gives_each_row_once(tmp_path, kill_at):
     assert out.with_name("out.jsonl.errors.jsonl").read_text() == ""
 
 
+@pytest.mark.slow
+def test_rows_that_finish_before_a_long_one_are_durable_while_it_runs(tmp_path):
+    """Seven short rows finish at once; the eighth generates 600 tokens. The seven are committed
+    while it runs (a journal committed only when the next row finished left them pending until
+    the long row ended, and a SIGKILL then cost all seven)."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = sms_rows(8)
+    inp.write_text("".join(chat_line(i, t, max_tokens=1) + "\n" for i, (_, t) in enumerate(rows[:7]))
+                   + chat_line(7, rows[7][1], max_tokens=600, min_tokens=600) + "\n")
+    proc = _start(inp, out)
+    try:
+        _wait_for_rows(proc, out, 7)
+        assert proc.poll() is None  # the long row is still running
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _journaled(out) == 7
+    proc = _start(inp, out)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    assert "resuming: 7 of 8 rows" in err
+    got = parse_outputs(out)
+    assert [o["custom_id"] for o in got] == [f"sms-{i}" for i in range(8)]
+    assert got[7]["response"]["body"]["usage"]["completion_tokens"] == 600
+
+
 # Rows enough that a signal sent once 10 are journaled lands long before the last one: with
 # 160, on a loaded machine, the job finished before a Ctrl-C sent at 10 rows took effect.
 SIGNAL_ROWS = 640

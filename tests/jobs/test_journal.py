@@ -28,6 +28,24 @@ def test_rows_survive_reopening_and_are_never_doubled(tmp_path):
     j.close()
 
 
+def test_pending_rows_are_committed_once_due_without_another_row(tmp_path, monkeypatch):
+    """flush_due commits what waits once the last commit is commit_seconds old, not before."""
+    clock = [100.0]
+    monkeypatch.setattr("batchprompt.jobs.journal.time.monotonic", lambda: clock[0])
+    path = tmp_path / "j.sqlite"
+    j = Journal(path, "fp", commit_every=64, commit_seconds=0.5)
+    j.flush()  # the last commit is now
+    j.record(1, "a", True, {})
+    j.flush_due()
+    reader = Journal(path, "fp")
+    assert reader.done_lines() == set()  # pending: due at 100.5
+    clock[0] = 100.6
+    j.flush_due()
+    assert reader.done_lines() == {1}
+    reader.close()
+    j.close()
+
+
 def test_a_changed_input_is_refused_unless_restarted(tmp_path):
     path = tmp_path / "j.sqlite"
     j = Journal(path, "fp1")

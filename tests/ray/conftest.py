@@ -34,15 +34,17 @@ def local_ray(request):
     ray.shutdown()
 
 
-def spam_lines(n: int, bad: tuple[int, ...] = ()) -> list[dict]:
+def spam_lines(n: int, bad: tuple[int, ...] = (), long: tuple[int, ...] = ()) -> list[dict]:
     """OpenAI batch lines of the spam workload; rows in `bad` bias a token id beyond the vocabulary,
-    which only the engine (on the replica) finds out."""
+    which only the engine (on the replica) finds out; rows in `long` generate 300 tokens."""
     lines = []
     for i, (_, text) in enumerate(sms_rows(n)):
         body = {"messages": [{"role": "system", "content": SPAM_SYSTEM}, {"role": "user", "content": text}],
                 "max_tokens": 6}
         if i in bad:
             body["logit_bias"] = {"999999": 1}
+        if i in long:
+            body["max_tokens"] = body["min_tokens"] = 300
         lines.append({"custom_id": f"sms-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
     return lines
 

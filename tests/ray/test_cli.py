@@ -13,7 +13,10 @@ from .conftest import answers, journal_rows, spam_lines, wait_for, write_jsonl
 
 pytestmark = pytest.mark.slow
 
-N, BAD = 40, 5
+#: LONG generates 300 tokens: the job runs on for seconds after the other rows are journaled, so
+#: the driver is killed mid-job (with 6 tokens a row, the rows came back nearly at once, and a kill
+#: sent once 6 were journaled could find the job done).
+N, BAD, LONG = 40, 5, 11
 
 
 def batchprompt(*args: str, **kwargs) -> subprocess.Popen:
@@ -24,7 +27,7 @@ def batchprompt(*args: str, **kwargs) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    return write_jsonl(tmp_path_factory.mktemp("job") / "in.jsonl", spam_lines(N, bad=(BAD,)))
+    return write_jsonl(tmp_path_factory.mktemp("job") / "in.jsonl", spam_lines(N, bad=(BAD,), long=(LONG,)))
 
 
 @pytest.fixture(scope="module")
