@@ -178,11 +178,12 @@ def worker(n: int, clients: int, mode: str) -> None:
 class Worker:
     """A `worker` child process of this script (wait_ready before the first run)."""
 
-    def __init__(self, n: int, clients: int, mode: str):
+    def __init__(self, n: int, clients: int, mode: str, cpus: set[int] | None = None):
         self.mode = mode
         self.proc = subprocess.Popen([sys.executable, __file__, "--in-process", str(n), "--in-process-mode", mode,
                                       "--clients", str(clients)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                                     text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                                     preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
 
     def _answer(self) -> dict:
         for line in self.proc.stdout:
@@ -238,6 +239,15 @@ def soak(n: int, clients: int, slice_size: int = 250) -> None:
                                      rss_mib={p: m for p, m, _ in rows}))
 
 
+def cpu_list(text: str) -> set[int]:
+    """'0', '0,1' or '0-3' -> a set of CPU numbers."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
@@ -254,6 +264,11 @@ def main() -> None:
     ap.add_argument("--soak", type=int, default=0, metavar="N",
                     help="instead: only the server, sent N requests in slices of 250 after the warm-up, with its "
                          "RSS after each slice (memory per request)")
+    ap.add_argument("--engine-cpus", type=cpu_list, default=None, metavar="LIST",
+                    help="CPUs for the server and the in-process paths, e.g. 0 (default: all, shared with the clients)")
+    ap.add_argument("--client-cpus", type=cpu_list, default=None, metavar="LIST",
+                    help="CPUs for the AsyncOpenAI clients, e.g. 1: clients that do not take the engine's CPU, as "
+                         "clients on other machines would not (default: all)")
     ap.add_argument("--in-process", type=int, default=None, help=argparse.SUPPRESS)  # the child's mode
     ap.add_argument("--in-process-mode", choices=("batch", "callers"), default="batch", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -273,12 +288,14 @@ def main() -> None:
     cuts = [len(texts) * k // args.rounds for k in range(args.rounds + 1)]
     tmp = Path(tempfile.mkdtemp(prefix="bench-server-"))
     load = {"start": os.getloadavg()[0]}
-    workers = {mode: Worker(args.requests, args.clients, mode) for mode in ("batch", "callers")}
+    if args.client_cpus is not None:
+        os.sched_setaffinity(0, args.client_cpus)  # this process: the clients
+    workers = {mode: Worker(args.requests, args.clients, mode, args.engine_cpus) for mode in ("batch", "callers")}
     server = senders = None
     try:
         for w in workers.values():
             w.wait_ready()
-        server = ServerProcess(tmp, "server")
+        server = ServerProcess(tmp, "server", cpus=args.engine_cpus)
         rss = {"ready": server.rss_mib()}
         senders = Clients(server.url, args.clients)
         _, _, warm_errors, _ = senders.send(warm or texts[:WARM_UP])
@@ -324,7 +341,11 @@ def main() -> None:
     round_ratios = [(cuts[r + 1] - cuts[r]) / seconds["server"][r] / ((cuts[r + 1] - cuts[r]) / seconds["batch"][r])
                     for r in range(args.rounds)]
     same = sum(x == y for x, y in zip(server_texts, batch_texts))
-    print(f"\n{len(texts)} spam prompts, {MAX_TOKENS} tokens, greedy; {args.clients} concurrent AsyncOpenAI clients\n")
+    cpus = "" if args.engine_cpus is None and args.client_cpus is None else (
+        f"; server and in-process paths on CPUs {sorted(args.engine_cpus or os.sched_getaffinity(0))}, "
+        f"clients on CPUs {sorted(args.client_cpus or os.sched_getaffinity(0))}")
+    print(f"\n{len(texts)} spam prompts, {MAX_TOKENS} tokens, greedy; {args.clients} concurrent AsyncOpenAI clients"
+          f"{cpus}\n")
     print("| path | errors | p50 latency (s) | p99 latency (s) | prompts/s |\n|---|---|---|---|---|")
     print(f"| `batchprompt serve`, {args.clients} clients | {len(errors)} | {percentile(latencies, 50):.2f} | "
           f"{percentile(latencies, 99):.2f} | {server_rps:.1f} |")
@@ -341,8 +362,8 @@ def main() -> None:
     for e in errors[:10]:
         print("error:", e)
     print(f"\nload average: {load}; server exit status {status}")
-    save_results("server", dict(
-        requests=len(texts), clients=args.clients, max_tokens=MAX_TOKENS, errors=len(errors), error_samples=errors[:10],
+    save_results("server" if not cpus else "server_pinned", dict(
+        engine_cpus=sorted(args.engine_cpus or []), client_cpus=sorted(args.client_cpus or []), requests=len(texts), clients=args.clients, max_tokens=MAX_TOKENS, errors=len(errors), error_samples=errors[:10],
         latency_p50_s=percentile(latencies, 50), latency_p99_s=percentile(latencies, 99),
         rounds=args.rounds, seconds_by_round=seconds, server_prompts_per_s=server_rps, in_process_errors=peer_errors,
         in_process_prompts_per_s=peer_rps, in_process_concurrent_prompts_per_s=callers_rps,

@@ -15,10 +15,11 @@ class ServerProcess(_ServerProcess):
     """A server ready when made (ServerNotReady, a RuntimeError, with the log's end if it exits
     or is not ready in time)."""
 
-    def __init__(self, tmp: Path, name: str = "server", flags: Sequence[str] = (), env: dict | None = None):
+    def __init__(self, tmp: Path, name: str = "server", flags: Sequence[str] = (), env: dict | None = None,
+                 cpus: set[int] | None = None):
         self.name = name
         super().__init__(["--data-dir", str(tmp / name), "--log-level", "warning", *flags], log=tmp / f"{name}.log",
-                         env={"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), **(env or {})}, cwd=ROOT)
+                         env={"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), **(env or {})}, cwd=ROOT, cpus=cpus)
 
     def rss_mib(self) -> float:
         import psutil

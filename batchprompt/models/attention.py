@@ -67,10 +67,14 @@ class LayerCache:
     v: torch.Tensor
 
 
-def paged_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
-    """q [T, Hq, D] for the new tokens, whose K and V are already in the cache -> [T, Hq * D]."""
+def paged_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,
+                    rows: int | None = None) -> torch.Tensor:
+    """q [T, Hq, D] for the new tokens, whose K and V are already in the cache -> [rows, Hq * D]
+    (rows: T by default; rows past T are zeros, padding for the next GEMM)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    out = q.new_empty(meta.num_tokens, num_heads * head_dim)
+    out = q.new_empty(rows or meta.num_tokens, num_heads * head_dim)
+    if out.shape[0] > meta.num_tokens:
+        out[meta.num_tokens:].zero_()
     if (d := meta.decode) is not None:
         out[d.start:d.stop] = d.op(q[d.start:d.stop], cache.k, cache.v, d.block_table, d.context_lens,
                                    d.block_size, head_dim ** -0.5).view(d.stop - d.start, -1)

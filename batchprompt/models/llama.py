@@ -88,14 +88,16 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata, ops: TorchOps):
         a = self.a
-        qkv = self.qkv(x).view(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
+        # x may carry zero rows past the step's tokens (LlamaModel.forward): the GEMMs run on
+        # them, attention and the cache see the tokens only, and the output keeps x's rows.
+        qkv = self.qkv(x)[:meta.num_tokens].view(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
         if a.qk_norm:  # Qwen3: each head of q and k normalized before the rotation
             q, k = qkv[:, :a.num_heads], qkv[:, a.num_heads:a.num_heads + a.num_kv_heads]
             qkv = torch.cat([ops.rms_norm(q.reshape(-1, a.head_dim), self.q_norm, a.rms_eps).view_as(q),
                              ops.rms_norm(k.reshape(-1, a.head_dim), self.k_norm, a.rms_eps).view_as(k),
                              qkv[:, a.num_heads + a.num_kv_heads:]], dim=1)
         q = ops.rotary_to_cache(qkv, a.num_heads, a.num_kv_heads, cos, sin, cache.k, cache.v, meta.slot_mapping)
-        return self.o(paged_attention(q, cache, meta))
+        return self.o(paged_attention(q, cache, meta, rows=x.shape[0]))
 
 
 class Block(nn.Module):
@@ -168,8 +170,15 @@ class LlamaModel(nn.Module):
         """`ops`: the layers' elementwise steps (default: PyTorch's; the runner passes the
         compiled ones on the CPU). `pause`, if given, is called after every layer but the last
         (the engine runs urgent steps there, see LLMEngine.step)."""
-        x = self.embed(input_ids)  # the residual stream: a new tensor, updated in place below
+        num_tokens = input_ids.shape[0]
         cos, sin = self.cos[positions], self.sin[positions]
+        # The residual stream runs with the rows its GEMMs run with (gemm_rows): the padding
+        # rows are made once here, not copied in before every GEMM; rows are independent
+        # outside attention, which reads only the step's tokens.
+        rows = self.step_rows(num_tokens)
+        if rows != num_tokens:
+            input_ids = F.pad(input_ids, (0, rows - num_tokens))
+        x = self.embed(input_ids)  # the residual stream: a new tensor, updated in place below
         ops, eps = ops or TORCH_OPS, self.args.rms_eps
         h = ops.rms_norm(x, self.layers[0].attn_norm, eps)
         norms = [layer.attn_norm for layer in self.layers[1:]] + [self.norm]
@@ -178,7 +187,17 @@ class LlamaModel(nn.Module):
             h = layer(x, h, next_norm, cos, sin, cache, meta, ops)
             if pause is not None and i < last:
                 pause()
-        return h
+        return h[:num_tokens]
+
+    def step_rows(self, num_tokens: int) -> int:
+        """The rows a step of `num_tokens` tokens runs its layers with: gemm_rows where the
+        layers' GEMMs go to oneDNN (the packed weights; or the CPU's bfloat16 and float16), so
+        that no GEMM has to pad its input with a copy; else `num_tokens`."""
+        w = self.layers[0].gate_up
+        if w.packed is not None or (w.weight_t.device.type == "cpu"
+                                    and w.weight_t.dtype in (torch.bfloat16, torch.float16)):
+            return gemm_rows(num_tokens)
+        return num_tokens
 
     def logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """The output head's logits, in float32 or (float32=False) as computed, in the model's

@@ -40,11 +40,13 @@ class ServerProcess:
     """`python -m batchprompt.server <args>` on 127.0.0.1 and a free port (or `port`), its
     output in the file `log`, environment `os.environ` with `env` over it (HF_HUB_OFFLINE=1
     unless given, and without BATCHPROMPT_API_KEY: give `api_key`). Made once GET /ready
-    answers 200. `module`: what `python -m` runs (a test's wrapper of the server)."""
+    answers 200. `module`: what `python -m` runs (a test's wrapper of the server). `cpus`: the
+    CPUs the process and all its threads may run on (None: any)."""
 
     def __init__(self, args: Sequence[str] = (), *, log: str | Path, api_key: str | None = None,
                  env: dict[str, str] | None = None, cwd: str | Path | None = None, port: int | None = None,
-                 ready_s: float = READY_S, stop_s: float = STOP_S, module: str = "batchprompt.server"):
+                 ready_s: float = READY_S, stop_s: float = STOP_S, module: str = "batchprompt.server",
+                 cpus: set[int] | None = None):
         self.port = port or free_port()
         self.log = Path(log)
         self.api_key, self.stop_s = api_key, stop_s
@@ -54,7 +56,8 @@ class ServerProcess:
         full_env = {"HF_HUB_OFFLINE": "1", **os.environ, **(env or {})}
         full_env.pop("BATCHPROMPT_API_KEY", None)
         with open(self.log, "wb") as f:
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=full_env, cwd=cwd)
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
+                                         preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
         self._wait_ready(ready_s)
 
     @property
