@@ -209,6 +209,35 @@ def test_padded_bfloat16_gemms_give_the_same_logits(tmp_path, monkeypatch):
     ids = torch.randint(0, 97, (200,)).tolist()  # GEMMs of 208 rows
     padded = full_logits(model, ids)
     monkeypatch.setattr(llama, "_plain_padded", lambda x: x)
+    monkeypatch.setattr(llama.LlamaModel, "step_rows", lambda self, n: n)
     plain = full_logits(model, ids)
     assert (padded - plain).abs().max() <= 0.01 * plain.abs().max()
     assert (padded.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.95
+
+
+def test_a_step_runs_its_layers_on_the_padded_rows_and_returns_its_tokens(tmp_path, monkeypatch):
+    """The residual stream carries the GEMMs' padding rows from the embedding on (no GEMM pads
+    its input with a copy), attention and the cache see only the step's tokens, and the hidden
+    states come back for the tokens alone."""
+    import torch.nn.functional as F
+
+    from batchprompt.models import llama
+
+    model = _bf16_tiny_model(tmp_path)
+    ids = torch.randint(0, 97, (200,)).tolist()
+    assert model.step_rows(200) == 208 and model.step_rows(208) == 208
+    padded: list[int] = []  # the dimensions of each tensor padded
+    real_pad = F.pad
+
+    def pad(x, p, *rest, **kw):
+        padded.append(x.dim())
+        return real_pad(x, p, *rest, **kw)
+
+    monkeypatch.setattr(llama.F, "pad", pad)
+    logits = full_logits(model, ids)
+    assert logits.shape[0] == 200
+    # The token ids once, and the output head's input (its rows are the sampled ones only):
+    # no layer's GEMM pads its input.
+    assert sorted(padded) == [1, 2]
+    monkeypatch.setattr(llama.LlamaModel, "step_rows", lambda self, n: n)
+    assert torch.allclose(full_logits(model, ids), logits, atol=0.02 * logits.abs().max().item())
