@@ -158,8 +158,9 @@ def test_a_left_out_request_runs_before_the_first_layer_of_the_step_it_was_left_
         eng.add_request(p, GREEDY, priority=BULK)
     eng.step()  # the bulk rows' prompts; each has its first token
     rid = eng.add_request(chat, GREEDY, priority=INTERACTIVE)
-    rows = []  # the tokens of each call of the first layer, in order
-    hook = tiny_model.layers[0].register_forward_hook(lambda mod, args, out: rows.append(args[0].shape[0]))
+    rows = []  # the tokens of each call of the first layer, in order (its metadata's count: the
+    # residual stream may carry the GEMMs' padding rows)
+    hook = tiny_model.layers[0].register_forward_hook(lambda mod, args, out: rows.append(args[6].num_tokens))
     inside = []
 
     def pause():
