@@ -38,6 +38,7 @@ import numpy as np
 import openai
 
 from batchprompt.data import SPAM_SYSTEM, read_sms
+from batchprompt.server.process import pin_to
 
 JOB_S = 1800
 PATHS = ["server", "batch", "callers"]  # "batch": in-process batch_prompt; "callers": in-process, one prompt each
@@ -183,7 +184,7 @@ class Worker:
         self.proc = subprocess.Popen([sys.executable, __file__, "--in-process", str(n), "--in-process-mode", mode,
                                       "--clients", str(clients)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-                                     preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
+                                     preexec_fn=pin_to(cpus))
 
     def _answer(self) -> dict:
         for line in self.proc.stdout:
@@ -341,7 +342,8 @@ def main() -> None:
     round_ratios = [(cuts[r + 1] - cuts[r]) / seconds["server"][r] / ((cuts[r + 1] - cuts[r]) / seconds["batch"][r])
                     for r in range(args.rounds)]
     same = sum(x == y for x, y in zip(server_texts, batch_texts))
-    cpus = "" if args.engine_cpus is None and args.client_cpus is None else (
+    pinned = args.engine_cpus is not None or args.client_cpus is not None
+    cpus = "" if not pinned else (
         f"; server and in-process paths on CPUs {sorted(args.engine_cpus or os.sched_getaffinity(0))}, "
         f"clients on CPUs {sorted(args.client_cpus or os.sched_getaffinity(0))}")
     print(f"\n{len(texts)} spam prompts, {MAX_TOKENS} tokens, greedy; {args.clients} concurrent AsyncOpenAI clients"
@@ -362,8 +364,9 @@ def main() -> None:
     for e in errors[:10]:
         print("error:", e)
     print(f"\nload average: {load}; server exit status {status}")
-    save_results("server" if not cpus else "server_pinned", dict(
-        engine_cpus=sorted(args.engine_cpus or []), client_cpus=sorted(args.client_cpus or []), requests=len(texts), clients=args.clients, max_tokens=MAX_TOKENS, errors=len(errors), error_samples=errors[:10],
+    save_results("server_pinned" if pinned else "server", dict(
+        engine_cpus=sorted(args.engine_cpus or []), client_cpus=sorted(args.client_cpus or []),
+        requests=len(texts), clients=args.clients, max_tokens=MAX_TOKENS, errors=len(errors), error_samples=errors[:10],
         latency_p50_s=percentile(latencies, 50), latency_p99_s=percentile(latencies, 99),
         rounds=args.rounds, seconds_by_round=seconds, server_prompts_per_s=server_rps, in_process_errors=peer_errors,
         in_process_prompts_per_s=peer_rps, in_process_concurrent_prompts_per_s=callers_rps,

@@ -44,12 +44,16 @@ def _padded(x: torch.Tensor) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, rows - m)) if rows != m else x
 
 
+def _onednn_plain(t: torch.Tensor) -> bool:
+    """Whether a GEMM of plain weights on `t`'s device and dtype goes to oneDNN (the CPU's
+    bfloat16 and float16); float32 goes to MKL, which keeps nothing per shape."""
+    return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16)
+
+
 def _plain_padded(x: torch.Tensor) -> torch.Tensor:
-    """x padded as `_padded` where oneDNN runs a GEMM of the plain weights (the CPU's bfloat16
-    and float16); float32 (MKL, which keeps nothing per shape) and other devices as given."""
-    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
-        return x
-    return _padded(x)
+    """x padded as `_padded` where oneDNN runs a GEMM of the plain weights (_onednn_plain);
+    elsewhere as given."""
+    return _padded(x) if _onednn_plain(x) else x
 
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -191,13 +195,10 @@ class LlamaModel(nn.Module):
 
     def step_rows(self, num_tokens: int) -> int:
         """The rows a step of `num_tokens` tokens runs its layers with: gemm_rows where the
-        layers' GEMMs go to oneDNN (the packed weights; or the CPU's bfloat16 and float16), so
+        layers' GEMMs go to oneDNN (the packed weights, or _onednn_plain), so
         that no GEMM has to pad its input with a copy; else `num_tokens`."""
         w = self.layers[0].gate_up
-        if w.packed is not None or (w.weight_t.device.type == "cpu"
-                                    and w.weight_t.dtype in (torch.bfloat16, torch.float16)):
-            return gemm_rows(num_tokens)
-        return num_tokens
+        return gemm_rows(num_tokens) if w.packed is not None or _onednn_plain(w.weight_t) else num_tokens
 
     def logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """The output head's logits, in float32 or (float32=False) as computed, in the model's

@@ -36,6 +36,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def pin_to(cpus: set[int] | None):
+    """A `preexec_fn` for subprocess.Popen that keeps the child (and every thread it starts) on
+    `cpus`; None for None (any CPU)."""
+    return None if cpus is None else lambda: os.sched_setaffinity(0, cpus)
+
+
 class ServerProcess:
     """`python -m batchprompt.server <args>` on 127.0.0.1 and a free port (or `port`), its
     output in the file `log`, environment `os.environ` with `env` over it (HF_HUB_OFFLINE=1
@@ -57,7 +63,7 @@ class ServerProcess:
         full_env.pop("BATCHPROMPT_API_KEY", None)
         with open(self.log, "wb") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
-                                         preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
+                                         preexec_fn=pin_to(cpus))
         self._wait_ready(ready_s)
 
     @property
