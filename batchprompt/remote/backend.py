@@ -14,8 +14,10 @@ they hand them to the local engine; an event loop on a thread of its own sends t
 - on a fault: a timeout, a 429/503 (the endpoint's limit halves and it waits, Retry-After or
   backoff with jitter), a dead endpoint (drained: its work goes to the others; probed until it
   answers again, then taken back), a 4xx/5xx (the sub-batch is split in halves and retried, so
-  one bad prompt fails alone). A work is retried at most `max_retries` times, then answered
-  with the last error; work waiting while no endpoint is alive fails after `give_up_after`.
+  one bad prompt fails alone; a 5xx also slows the endpoint down, as a 429 does). A retry goes
+  to another endpoint than the one that failed it while another is alive. A work is retried at
+  most `max_retries` times, then answered with the last error; work waiting while no endpoint
+  is alive fails after `give_up_after`.
 
 Every item is answered exactly once (result, error, or 'abort' after a cancel or a shutdown);
 a sub-batch runs to completion twice only when its first try failed (a hedged copy that
@@ -346,6 +348,8 @@ class RemoteBackend:
             head = self.queue.head()
             if head is None:
                 return
+            if self._waits_for_another(head, candidates):
+                return
             e = self.router.choose(head.item.token_ids, candidates, head.avoid)
             sb = self.queue.take(self._budget(e), self.pool.batch_prompts if self.pool.use_batch else 1)
             if sb is None:
@@ -353,6 +357,14 @@ class RemoteBackend:
             self._launch(sb, e)
         if not self.queue:
             self._hedge(now)
+
+    def _waits_for_another(self, head: Work, candidates: list[Endpoint]) -> bool:
+        """A retry goes to another endpoint than the one that failed it, while another is alive
+        (a load balancer's next-upstream rule): it waits for that one's free slot rather than go
+        back to an endpoint that may fail everything (a server answering 500 to every request)."""
+        if head.avoid is None or any(e.index != head.avoid for e in candidates):
+            return False
+        return any(e.alive and e.index != head.avoid for e in self.endpoints)
 
     def _hedge(self, now: float) -> None:
         usual = self._request_s
@@ -494,6 +506,8 @@ class RemoteBackend:
             self._note_fault(e, err)
             self._requeue(sb.works, e, err, delay=0.0)
             return
+        if err.kind == "server":  # a 5xx: the endpoint may be failing; it sends less for a while
+            e.on_overload(None, self.pool.backoff_s)
         if len(sb.works) > 1:  # one prompt may be the cause: halves, each retried on its own
             mid = len(sb.works) // 2
             count = err.kind == "server"  # a 4xx names the request: splitting is no retry
