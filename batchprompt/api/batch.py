@@ -50,6 +50,7 @@ class Batch:
         self._subscribers: list[Callable[[int, Result], None]] = []
         self._on_result: list[Callable[[int, Result], None]] = []
         self._on_complete: list[Callable[[list[Result]], None]] = []
+        self._on_tokens: list[Callable[[int, list[int]], None]] = []
         self._dispatched = False  # a callback of this batch went to the callback thread
         self._completed = False  # every result is in and the on_complete callbacks are taken
         self._done = threading.Event()  # every result is in
@@ -90,6 +91,18 @@ class Batch:
             self._service.dispatch(fn, results)
         return self
 
+    def on_tokens(self, fn: Callable[[int, list[int]], None]) -> "Batch":
+        """Call `fn(index, token_ids)` with each prompt's new tokens as the engine makes them
+        (on the callback thread, before that prompt's `on_result`, whose result has them all).
+        Set it before `start()`. Only the local engine streams tokens; on a pool of endpoints
+        or Ray replicas `fn` is not called and each result comes whole."""
+        _check_callable("on_tokens", fn)
+        with self._start_lock:
+            if self._started_at is not None:
+                raise RuntimeError("on_tokens must be set before the batch starts")
+            self._on_tokens.append(fn)
+        return self
+
     def start(self) -> "Batch":
         with self._start_lock:
             if self._started_at is None:
@@ -108,7 +121,8 @@ class Batch:
             # once and is still cached while its group runs (a trie order of the token ids).
             order.sort(key=lambda p: p.token_ids)
         for p in order:
-            source.items.append(Item(p.token_ids, p.params, self._handler(p.index, p.spec)))
+            source.items.append(Item(p.token_ids, p.params, self._handler(p.index, p.spec),
+                                     on_tokens=self._token_handler(p.index) if self._on_tokens else None))
         self._source = source
         for p in self._prepared:
             if p.token_ids is None:
@@ -120,6 +134,12 @@ class Batch:
 
     def _handler(self, index: int, spec: OutputSpec | None) -> Callable[[RequestOutput], None]:
         return lambda out: self._deliver(to_result(index, out, spec))
+
+    def _token_handler(self, index: int) -> Callable[[list[int]], None]:
+        def handle(ids: list[int]) -> None:
+            for fn in self._on_tokens:
+                self._service.dispatch(fn, index, ids)
+        return handle
 
     # ---- results --------------------------------------------------------------------------
     def _deliver(self, result: Result) -> None:
@@ -224,6 +244,15 @@ class Batch:
     @property
     def done(self) -> bool:
         return self._done.is_set()
+
+    @property
+    def finished(self) -> bool:
+        """Every result is in and every callback of the batch has run."""
+        return self._finished.is_set()
+
+    def stop_strings(self, index: int) -> tuple[str, ...]:
+        """The stop strings prompt `index` runs with."""
+        return tuple(self._prepared[index].params.stop)
 
     @property
     def progress(self) -> Progress:

@@ -55,6 +55,7 @@ class EngineService:
         self._sources: deque[Source] = deque()
         self._commands: list[tuple[Callable[[], Any], Future]] = []
         self._in_engine: dict[str, tuple[Source, Item]] = {}
+        self._streaming: dict[str, tuple[Item, int]] = {}  # items with on_tokens: tokens handed out
         self._ids = itertools.count()
         self._rate = 0.0  # requests finished per second, smoothed
         self._sessions: set[str] = set()  # names of the sessions' pinned prefixes
@@ -284,6 +285,8 @@ class EngineService:
                         continue
                     source.in_engine[rid] = item
                     self._in_engine[rid] = (source, item)
+                    if item.on_tokens is not None:
+                        self._streaming[rid] = (item, 0)
                     fed[priority] = fed.get(priority, 0) + 1
                     room -= 1
             self._sources = deque(s for p in sorted(classes, reverse=True) for s in classes[p]
@@ -328,6 +331,7 @@ class EngineService:
                                              error=f"the engine failed: {type(e).__name__}: {e}"))
         dt = max(time.perf_counter() - t0, 1e-6)
         self._rate = 0.9 * self._rate + 0.1 * (len(outputs) / dt)
+        self._stream_tokens()
         self._deliver(outputs)
 
     def _between_layers(self) -> None:
@@ -342,10 +346,25 @@ class EngineService:
             outputs = self.engine.step_inside()
             if outputs is None:
                 return
+            self._stream_tokens()
             self._deliver(outputs)
+
+    def _stream_tokens(self) -> None:
+        """Hand each streamed item the tokens its request made since the last step (those that
+        finished get them all with their output, just after)."""
+        for rid, (item, sent) in list(self._streaming.items()):
+            ids = self.engine.output_ids(rid)
+            if ids is None or len(ids) <= sent:
+                continue
+            self._streaming[rid] = (item, len(ids))
+            try:
+                item.on_tokens(ids[sent:])  # type: ignore[misc]
+            except Exception:  # noqa: BLE001  (a streaming consumer's bug costs it its stream only)
+                log.exception("a token stream's callback failed; the request goes on")
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
+            self._streaming.pop(out.request_id, None)
             entry = self._in_engine.pop(out.request_id, None)
             if entry is None:  # already answered (after an engine failure), or not ours
                 continue
@@ -364,6 +383,7 @@ class EngineService:
             sources, self._sources = list(self._sources), deque()
             sessions, self._sessions = list(self._sessions), set()
             in_engine, self._in_engine = list(self._in_engine.values()), {}
+            self._streaming.clear()
         _unregister(self)
         for _, fut in commands:
             if fut.set_running_or_notify_cancel():

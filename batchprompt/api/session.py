@@ -3,6 +3,7 @@
     lm = LanguageModel.create(system="Respond with: spam or not_spam")
     results = lm.batch_prompt(prompts, max_tokens=8)
     text = lm.prompt("one prompt")
+    for piece in lm.prompt_streaming("one prompt"): print(piece, end="")
     other = lm.clone(); lm.destroy()
     other.close()  # destroy(), and release the engine if no other open session uses it
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import Any, Iterable, Sequence
+from typing import Any, AsyncIterator, Iterable, Iterator, Sequence
 
 from ..engine import LLMEngine
 from .batch import Batch
@@ -23,6 +24,7 @@ from .items import Prepared, check_errors
 from .messages import check_messages, with_default_system
 from .options import GenerationOptions
 from .result import EngineStoppedError, Result, SessionDestroyedError
+from .streaming import atext_pieces, text_pieces
 from ..backends import INTERACTIVE, Backend, get_backend
 
 Message = dict[str, str]
@@ -144,6 +146,16 @@ class LanguageModel:
 
     async def aprompt(self, prompt: Prompt, **options: Any) -> str:
         return _text((await self.abatch_prompt([prompt], **options))[0])
+
+    def prompt_streaming(self, prompt: Prompt, **options: Any) -> Iterator[str]:
+        """One prompt's text in pieces as it is made (the Prompt API's promptStreaming());
+        joined, they are `prompt()`'s text. Raises ValueError if it fails; leaving the loop
+        early cancels it."""
+        return text_pieces(self.create_batch([prompt], **options), self._service.tokenizer.decode)
+
+    def aprompt_streaming(self, prompt: Prompt, **options: Any) -> AsyncIterator[str]:
+        """prompt_streaming() for asyncio: `async for piece in lm.aprompt_streaming(...)`."""
+        return atext_pieces(self.create_batch([prompt], **options), self._service.tokenizer.decode)
 
     # ---- lifetime --------------------------------------------------------------------------
     def clone(self, **options: Any) -> "LanguageModel":

@@ -46,6 +46,9 @@ class Item:
     params: SamplingParams
     on_done: Callable[[RequestOutput], None]
     request_id: str | None = None
+    #: Optional: called with the tokens made since the last call, as a step makes them, before
+    #: `on_done` (which still carries them all). Backends that cannot stream never call it.
+    on_tokens: Callable[[list[int]], None] | None = None
 
 
 @dataclass(eq=False)

@@ -201,6 +201,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def output_ids(self, request_id: str) -> list[int] | None:
+        """The tokens a running request has made so far (a copy), for streaming them as they
+        come; None once it finished (its output has them all) or for an unknown id. They only
+        grow: a preempted request keeps its tokens and recomputes their K/V."""
+        req = self._requests.get(request_id)
+        if req is None or req.finish_reason is not None:
+            return None
+        return list(req.output_token_ids)
+
     # ---- the loop --------------------------------------------------------------------------
     def step(self, pause: Callable[[], None] | None = None) -> list[RequestOutput]:
         """Run one step; returns the requests it finished.

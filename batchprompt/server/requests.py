@@ -34,6 +34,7 @@ class Plan:
     n: int
     prepared: list[Prepared]
     token_text: Callable[[int], str]
+    decode: Callable[[list[int]], str] | None = None  # a choice's tokens as text (streaming)
 
 
 def plan_chat(body: dict, tokenizer, max_model_len: int) -> Plan:
@@ -44,7 +45,7 @@ def plan_chat(body: dict, tokenizer, max_model_len: int) -> Plan:
     opts = JobOptions(input="-", output="-", max_tokens=max_model_len, temperature=TEMPERATURE)
     params, n, spec = _params(row, opts, tokenizer)
     ids = _checked(_render(row, tokenizer), max_model_len, "the messages", refusals.asked_max_tokens(body, params))
-    return Plan(rid, [row], n, _choices([ids], params, n, spec), _token_text(tokenizer))
+    return Plan(rid, [row], n, _choices([ids], params, n, spec), _token_text(tokenizer), tokenizer.decode)
 
 
 def plan_completion(body: dict, tokenizer, max_model_len: int) -> Plan:
@@ -62,7 +63,7 @@ def plan_completion(body: dict, tokenizer, max_model_len: int) -> Plan:
         ids = _render(row, tokenizer) if isinstance(prompt, str) else list(prompt)
         rows.append(row)
         all_ids.append(_checked(ids, max_model_len, what, params.max_tokens))
-    return Plan(rid, rows, n, _choices(all_ids, params, n, spec), _token_text(tokenizer))
+    return Plan(rid, rows, n, _choices(all_ids, params, n, spec), _token_text(tokenizer), tokenizer.decode)
 
 
 def plan_row(row: Row, tokenizer, max_model_len: int) -> list[Prepared]:

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 from ..api.batch import Progress
 from ..api.result import Result
+from ..api.text_stream import TextStream
 from ..jobs import openai_io
 from .errors import ApiError, error_body
 from .requests import Plan
@@ -54,8 +55,12 @@ def _usage(usages) -> dict[str, Any]:
 
 
 class Chunks:
-    """Server-sent events of one streamed request. The engine gives each result whole, so a
-    choice streams as one content chunk when it completes (then its finish chunk, for chat)."""
+    """Server-sent events of one streamed request. Each choice's text streams as its tokens
+    are made (`tokens`), as in OpenAI and vLLM; its last piece comes with the finished result
+    (`result`), then its finish chunk. Text that may still change is held back: an incomplete
+    UTF-8 character (a trailing U+FFFD) and, where stop strings are set, as many characters as
+    the longest of them less one, since a stop string that completes is cut from the output.
+    With logprobs asked, a choice comes whole when it completes (its chunk carries them)."""
 
     def __init__(self, plan: Plan, chat: bool, model: str, created: int, include_usage: bool):
         self.plan, self.chat, self.model, self.created = plan, chat, model, created
@@ -64,6 +69,20 @@ class Chunks:
         self.prompt_tokens: dict[int, int] = {}  # prompt -> tokens (counted once for its n choices)
         self.cached_tokens: dict[int, int] = {}
         self.completion_tokens = 0
+        self._streams: dict[int, TextStream] = {}  # choice index -> its text so far
+        self.streams_tokens = plan.decode is not None and not any(p.params.logprobs for p in plan.prepared)
+
+    def _stream(self, index: int) -> TextStream:
+        if index not in self._streams:
+            self._streams[index] = TextStream(self.plan.decode, self.plan.prepared[index].params.stop)  # type: ignore[arg-type]
+        return self._streams[index]
+
+    def tokens(self, index: int, ids: list[int]) -> list[str]:
+        """The chunk of choice `index`'s new text, given its new tokens (none while held back)."""
+        if not self.streams_tokens:
+            return []
+        piece = self._stream(index).push(ids)
+        return [self._delta(index, piece)] if piece else []
 
     def _chunk(self, choices: list[dict]) -> str:
         obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -73,6 +92,19 @@ class Chunks:
         if self.include_usage:
             obj["usage"] = None
         return event(obj)
+
+    def _delta(self, index: int, text: str) -> str:
+        if not self.chat:
+            return self._chunk([{"index": index, "text": text, "logprobs": None, "finish_reason": None}])
+        return self._chunk([{"index": index % self.plan.n, "delta": {"content": text}, "logprobs": None,
+                             "finish_reason": None}])
+
+    def _rest(self, index: int, text: str) -> tuple[str, bool]:
+        """What of a choice's final text was not sent yet, and whether any of it was."""
+        stream = self._streams.get(index)
+        if stream is None:
+            return text, False
+        return stream.finish(text), True
 
     def start(self) -> list[str]:
         """Chat opens each choice with the assistant's role, as OpenAI does, before any text."""
@@ -89,12 +121,15 @@ class Chunks:
         row = self.plan.rows[prompt]
         choice = openai_io.response_body(row, [r], self.model, self.created, self.plan.token_text)["choices"][0]
         if not self.chat:
-            return [self._chunk([dict(choice, index=index)])]
+            return [self._chunk([dict(choice, index=index, text=self._rest(index, choice["text"])[0])])]
         i = index % self.plan.n
-        content = {"index": i, "delta": {"content": choice["message"]["content"]}, "logprobs": choice["logprobs"],
-                   "finish_reason": None}
+        out = []
+        rest, streamed = self._rest(index, choice["message"]["content"] or "")
+        if rest or choice["logprobs"] is not None or not streamed:
+            out.append(self._chunk([{"index": i, "delta": {"content": rest}, "logprobs": choice["logprobs"],
+                                     "finish_reason": None}]))
         finish = {"index": i, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}
-        return [self._chunk([content]), self._chunk([finish])]
+        return out + [self._chunk([finish])]
 
     def end(self) -> list[str]:
         out = []

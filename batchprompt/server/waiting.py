@@ -50,16 +50,18 @@ async def _disconnected(request: Request) -> None:
 
 
 async def events(state: ServerState, batch: Batch, chunks: Chunks) -> AsyncIterator[str]:
-    """Server-sent events of a streamed request, each choice as it completes."""
+    """Server-sent events of a streamed request: each choice's text as its tokens are made."""
     loop = asyncio.get_running_loop()
     arrived: asyncio.Queue = asyncio.Queue()
 
-    def put(index: int, result: Result) -> None:  # on the batch's callback thread
+    def put(index: int, got: Result | list[int]) -> None:  # on the batch's callback thread
         try:
-            loop.call_soon_threadsafe(arrived.put_nowait, (index, result))
+            loop.call_soon_threadsafe(arrived.put_nowait, (index, got))
         except RuntimeError:  # the loop has closed: the server is gone
             pass
 
+    if chunks.streams_tokens:
+        batch.on_tokens(put)  # new tokens, then (on the same thread, so after them) the result
     batch.on_result(put)
     finished = False
     try:
@@ -73,8 +75,12 @@ async def events(state: ServerState, batch: Batch, chunks: Chunks) -> AsyncItera
                 if item is None:
                     yield KEEP_ALIVE
                     continue
-                received += 1
                 index, result = item
+                if isinstance(result, list):  # a choice's new tokens
+                    for chunk in chunks.tokens(index, result):
+                        yield chunk
+                    continue
+                received += 1
                 if result.finish_reason in ("error", "cancelled"):
                     yield error_event(_stream_error(state, result))
                     yield DONE

@@ -46,6 +46,28 @@ def test_callbacks_added_after_the_results_are_called_for_them(lm, messages):
             getattr(lm.create_batch(messages[:1]), method)("print")
 
 
+def test_on_tokens_hands_out_each_prompts_tokens_as_they_are_made(lm, messages):
+    """Each prompt's new tokens, step by step, before its result, which holds them all."""
+    events, done = [], threading.Event()
+    batch = lm.create_batch(messages[:4])
+    batch.on_tokens(lambda i, ids: events.append(("tokens", i, list(ids))))
+    batch.on_result(lambda i, r: events.append(("result", i, r)))
+    batch.on_complete(lambda rs: done.set())
+    results = batch.start().wait(timeout=120)
+    assert done.wait(10)
+    for i, r in enumerate(results):
+        mine = [e for e in events if e[1] == i]
+        assert mine[-1] == ("result", i, r)  # the result comes after every piece of its tokens
+        pieces = [ids for kind, _, ids in mine[:-1]]
+        # The last token comes with the result only (the step that makes it finishes the request).
+        assert sum(pieces, []) == r.token_ids[:len(sum(pieces, []))] and len(pieces) >= len(r.token_ids) - 1 >= 1
+        assert all(len(ids) >= 1 for ids in pieces)
+    with pytest.raises(RuntimeError, match="before the batch starts"):
+        batch.on_tokens(lambda i, ids: None)
+    with pytest.raises(TypeError, match="on_tokens takes a function"):
+        lm.create_batch(messages[:1]).on_tokens(None)
+
+
 def test_iteration_as_completed(lm, messages):
     got = dict(lm.create_batch(messages[:6]))
     assert sorted(got) == list(range(6))

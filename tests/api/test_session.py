@@ -1,6 +1,9 @@
 """Sessions: results in order, the pinned system prompt, clone, destroy, options, errors."""
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 import batchprompt as bp
@@ -127,3 +130,38 @@ def test_a_prompt_of_the_wrong_type_fails_alone_naming_what_a_prompt_is(lm):
     assert "this is one message: put it in a list" in results[3].error
     assert "got bytes: b'hi'" in results[4].error
 
+
+
+def test_prompt_streaming_hands_out_the_text_in_pieces_as_it_is_made(lm, engine32):
+    ask = "Write two sentences about the sea."
+    whole = lm.prompt(ask, max_tokens=24)
+    pieces = list(lm.prompt_streaming(ask, max_tokens=24))
+    assert "".join(pieces) == whole and len(pieces) >= 8, pieces
+    # with a stop string: what the stop cuts is never handed out
+    stop = whole.split(" ")[4][:3]
+    cut = lm.prompt(ask, max_tokens=24, stop=[stop])
+    assert "".join(lm.prompt_streaming(ask, max_tokens=24, stop=[stop])) == cut
+
+
+def test_leaving_a_prompt_stream_early_cancels_it(lm, engine32):
+    stream = lm.prompt_streaming("Count from one to a hundred in words.", max_tokens=200)
+    first = next(stream)
+    assert first
+    stream.close()  # as a `break` out of the loop does
+    deadline = time.monotonic() + 30
+    while engine32.has_unfinished():  # the request is aborted at the next step, not run to its end
+        assert time.monotonic() < deadline, "the abandoned stream's request still runs"
+        time.sleep(0.05)
+
+
+def test_a_prompt_stream_that_fails_raises(lm):
+    with pytest.raises(ValueError, match="context"):
+        list(lm.prompt_streaming("word " * 9000))
+
+
+def test_aprompt_streaming(lm):
+    async def run():
+        return [p async for p in lm.aprompt_streaming("Say hello.", max_tokens=12)]
+
+    pieces = asyncio.run(run())
+    assert "".join(pieces) == lm.prompt("Say hello.", max_tokens=12) and len(pieces) >= 2

@@ -91,6 +91,53 @@ def test_chat_streams_server_sent_events(server):
     assert text[0] and text[1]
 
 
+def _whole_chat(client, **kwargs):
+    """The request's answer without streaming, once its prompt is in the prefix cache (as it
+    then is for the stream: in bfloat16 a step of other shape may flip a near-tie)."""
+    client.chat.completions.create(model="smollm2-135m", **kwargs)
+    return client.chat.completions.create(model="smollm2-135m", **kwargs).choices[0]
+
+
+def _streamed_chat(client, **kwargs) -> tuple[list[str], str | None]:
+    """The content pieces of a one-choice chat stream, and its finish_reason."""
+    pieces, finish = [], None
+    for c in client.chat.completions.create(model="smollm2-135m", stream=True, **kwargs):
+        for choice in c.choices:
+            if choice.delta.content:
+                pieces.append(choice.delta.content)
+            finish = choice.finish_reason or finish
+    return pieces, finish
+
+
+def test_a_chat_stream_sends_its_text_as_it_is_made(server):
+    """Token by token, as OpenAI and vLLM stream: several content chunks (one per step or
+    so), which join to the text the same request gets without streaming."""
+    client = server.openai()
+    ask = dict(messages=[{"role": "user", "content": "Write two sentences about the sea."}], max_tokens=24,
+               temperature=0)
+    whole = _whole_chat(client, **ask)
+    pieces, finish = _streamed_chat(client, **ask)
+    assert len(pieces) >= 8, pieces
+    assert "".join(pieces) == whole.message.content and finish == whole.finish_reason
+
+
+def test_a_stream_never_sends_what_a_stop_string_cuts(server):
+    """A stop string is cut from the output once it completes: the stream holds back as many
+    characters as could start one, so what it sent is never taken back."""
+    client = server.openai()
+    ask = dict(messages=[{"role": "user", "content": "Write two sentences about the sea."}], max_tokens=24,
+               temperature=0)
+    text = _whole_chat(client, **ask).message.content
+    words = text.split(" ")
+    assert len(words) > 6, text
+    stop = " " + words[4][:3]  # a piece from the middle of the answer: the output ends before it
+    whole = _whole_chat(client, stop=[stop], **ask)
+    pieces, finish = _streamed_chat(client, stop=[stop], **ask)
+    assert whole.finish_reason == "stop" and stop not in whole.message.content
+    assert "".join(pieces) == whole.message.content and finish == "stop"
+    assert len(pieces) >= 2, pieces
+
+
 def test_completions_stream(server):
     with server.client() as c, c.stream("POST", "/v1/completions", json={
             "prompt": ["1, 2, 3, 4,", "A, B, C, D,"], "max_tokens": 4, "temperature": 0, "stream": True}) as r:
@@ -98,9 +145,18 @@ def test_completions_stream(server):
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
-    by_index = {ch["choices"][0]["index"]: ch["choices"][0] for ch in chunks}
-    assert "5" in by_index[0]["text"] and "E" in by_index[1]["text"]
+    text, finish = {0: "", 1: ""}, {}
+    for ch in chunks:
+        choice = ch["choices"][0]
+        text[choice["index"]] += choice["text"]
+        if choice["finish_reason"]:
+            finish[choice["index"]] = choice["finish_reason"]
+    assert "5" in text[0] and "E" in text[1] and set(finish) == {0, 1}
     assert {ch["object"] for ch in chunks} == {"text_completion"}
+    with server.client() as c:
+        whole = c.post("/v1/completions", json={"prompt": ["1, 2, 3, 4,", "A, B, C, D,"], "max_tokens": 4,
+                                                "temperature": 0}).json()
+    assert [text[0], text[1]] == [ch["text"] for ch in whole["choices"]]
 
 
 def test_structured_output_choices(server):

@@ -24,3 +24,59 @@ def test_a_request_the_model_cannot_hold_is_the_clients_error():
                "x): shorten the prompt, or leave the model more memory")
     e = result_error(Result(0, error=message))
     assert (e.status, e.code) == (400, "context_length_exceeded")
+
+
+# ---- streamed text: held back while it may still change ------------------------------------
+def _plan(stop=(), chat=True):
+    """A one-choice plan whose tokens are single bytes (decoded as UTF-8, bad bytes as U+FFFD,
+    as a byte-level tokenizer decodes)."""
+    from batchprompt.api.batch import Prepared
+    from batchprompt.engine import SamplingParams
+    from batchprompt.jobs.rows import CHAT, COMPLETION, Row
+    from batchprompt.server.requests import Plan
+
+    row = Row(1, "x", CHAT if chat else COMPLETION, messages=[{"role": "user", "content": "hi"}] if chat else None,
+              prompt=None if chat else "hi")
+    return Plan("rid", [row], 1, [Prepared(0, [1], SamplingParams(max_tokens=64, stop=stop))],
+                lambda t: bytes([t]).decode("utf-8", "replace"), lambda ids: bytes(ids).decode("utf-8", "replace"))
+
+
+def _stream(plan, text: str, final: str, chat=True) -> list[str]:
+    """The texts a client reads: each token (byte) of `text` streamed but the last, which comes
+    with the result `final` (the step that makes a request's last token finishes it)."""
+    import json
+
+    from batchprompt.api.result import Result
+    from batchprompt.server.responses import Chunks
+
+    chunks = Chunks(plan, chat, "m", 0, include_usage=False)
+    events = []
+    for b in text.encode()[:-1]:
+        events += chunks.tokens(0, [b])
+    events += chunks.result(0, Result(0, final, "stop", token_ids=list(final.encode())))
+    out = []
+    for e in events:
+        choice = json.loads(e.removeprefix("data: "))["choices"][0]
+        out.append(choice["delta"].get("content", "") if chat else choice["text"])
+    return [t for t in out if t]
+
+
+def test_a_character_made_of_several_tokens_is_sent_whole():
+    pieces = _stream(_plan(), "ok \U0001F600 fine é", "ok \U0001F600 fine é")
+    assert "".join(pieces) == "ok \U0001F600 fine é"
+    assert not any("\ufffd" in p for p in pieces), pieces
+    assert len(pieces) > 5  # sent as it came, not at the end
+
+
+def test_text_that_may_begin_a_stop_string_is_held_until_it_cannot():
+    # The output met "STOP" after "abc ST": the engine cut it; nothing of it was ever sent.
+    pieces = _stream(_plan(stop=("STOP",)), "abc STOP", "abc ")
+    assert "".join(pieces) == "abc " and all("S" not in p for p in pieces)
+    # An "S" that turned out not to start it is sent once what follows shows it.
+    pieces = _stream(_plan(stop=("STOP",)), "a Sun and more", "a Sun and more")
+    assert "".join(pieces) == "a Sun and more" and len(pieces) > 3
+
+
+def test_completions_stream_text_pieces_too():
+    pieces = _stream(_plan(chat=False), "one two three", "one two three", chat=False)
+    assert "".join(pieces) == "one two three" and len(pieces) > 3
