@@ -68,7 +68,11 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check(isinstance(self.stop_token_ids, (list, tuple))
+               and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         # NaN compares false with everything and inf passes ">= 0", so finiteness is its own test
@@ -100,7 +104,9 @@ class SamplingParams:
         object.__setattr__(self, "max_tokens", int(self.max_tokens))
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
-        object.__setattr__(self, "top_k", max(int(self.top_k), 0))
+        # A top_k at least the vocabulary keeps every token: as off (a larger number than the
+        # sampler's tensors hold, 1e30 from JSON, must not fail the step it runs in).
+        object.__setattr__(self, "top_k", max(int(self.top_k), 0) if self.top_k < TOP_K_ALL else 0)
         object.__setattr__(self, "seed", None if self.seed is None else int(self.seed))
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
             object.__setattr__(self, name, float(getattr(self, name)))
@@ -135,6 +141,9 @@ class SamplingParams:
         fast path: greedy argmax on the model's dtype)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
                     or self.logit_bias or self.min_tokens)
+
+
+TOP_K_ALL = 2**31  # no vocabulary is this large
 
 
 def _is_int(x) -> bool:

@@ -12,7 +12,6 @@ _NOOP = {
     "tools": lambda v: not v,
     "functions": lambda v: not v,
     "use_beam_search": lambda v: not v,
-    "ignore_eos": lambda v: not v,
     "prompt_logprobs": lambda v: v is None,
 }
 

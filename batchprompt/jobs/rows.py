@@ -26,7 +26,8 @@ KNOWN_FIELDS = {"messages", "prompt", "max_tokens", "max_completion_tokens", "te
                 "seed", "stop", "n", "logprobs", "top_logprobs", "top_k",
                 "response_format", "guided_choice", "guided_regex", "guided_json", "guided_grammar",
                 "structured_outputs", "choice_mode", "presence_penalty", "frequency_penalty", "logit_bias",
-                "best_of", "min_p", "repetition_penalty", "include_stop_str_in_output", "min_tokens"}
+                "best_of", "min_p", "repetition_penalty", "include_stop_str_in_output", "min_tokens",
+                "stop_token_ids", "ignore_eos"}
 #: Fields of OpenAI's and vLLM's chat and completion requests that we accept and ignore without
 #: a word (`model`: the command's --model runs every row). Anything else is counted as unknown.
 IGNORED_FIELDS = {
@@ -36,7 +37,7 @@ IGNORED_FIELDS = {
     "web_search_options", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "moderation",
     "echo", "suffix",
     # vLLM extra parameters
-    "use_beam_search", "length_penalty", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+    "use_beam_search", "length_penalty", "skip_special_tokens",
     "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids",
     "bad_words", "add_generation_prompt", "continue_final_message", "add_special_tokens", "documents",
     "chat_template", "chat_template_kwargs", "mm_processor_kwargs", "guided_decoding_backend",
@@ -274,9 +275,10 @@ def row_from_body(n: int, cid: str, url: str, body: dict) -> Row | RowError:
 def _check_counts(body: dict) -> str | None:
     """What is wrong with the body's n or max_tokens, if anything. Checked here because 0 must
     not fall back to the default. (Temperature, top_p, seed, ... are SamplingParams' to check.)"""
-    n = body.get("n")
-    if n is not None and not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N):
-        return f"n must be an integer from 1 to {MAX_N}, got {n!r}"
+    for name in ("n", "best_of"):  # best_of: as many sequences as n (a million would hold the engine)
+        v = body.get(name)
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_N):
+            return f"{name} must be an integer from 1 to {MAX_N}, got {v!r}"
     for name in ("max_tokens", "max_completion_tokens"):
         v = body.get(name)
         if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):

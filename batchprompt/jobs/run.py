@@ -174,7 +174,7 @@ def row_spec(row: Row, opts: JobOptions) -> OutputSpec | None:
 
 #: Body fields passed to SamplingParams as they are (it checks them), absent or null = default.
 SAMPLING_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
-                   "logit_bias", "include_stop_str_in_output", "best_of", "top_k")
+                   "logit_bias", "include_stop_str_in_output", "best_of", "top_k", "stop_token_ids", "ignore_eos")
 
 
 def row_params(row: Row, opts: JobOptions) -> tuple[SamplingParams, int]:

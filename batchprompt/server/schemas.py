@@ -52,6 +52,8 @@ class _OpenAIBody(_Body):
     logit_bias: dict[str, float] | None = None  # JSON keys are text: token ids as strings
     include_stop_str_in_output: bool | None = None
     best_of: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
 
 
 class ChatRequest(_OpenAIBody):

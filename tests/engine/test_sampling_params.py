@@ -40,6 +40,12 @@ def test_good_numbers_become_plain_python_numbers():
     json.dumps([p.max_tokens, p.temperature, p.seed])  # jobs key identical requests on this
 
 
+def test_a_top_k_beyond_any_vocabulary_keeps_every_token():
+    # 1e30 from a JSON body failed the whole step it ran in (the sampler's tensor overflowed).
+    assert SamplingParams(top_k=10**30).top_k == 0 and SamplingParams(top_k=2**63).top_k == 0
+    assert SamplingParams(top_k=2**31 - 1).top_k == 2**31 - 1
+
+
 def test_the_batch_api_refuses_them_before_any_work():
     # merged() is what LanguageModel.create and every call run before anything reaches the engine.
     with pytest.raises(ValueError, match="temperature must be a finite number"):

@@ -100,6 +100,7 @@ def chat(body_extra=None, **line):
     ({"n": 1.5}, r"n must be an integer"),
     ({"n": True}, r"n must be an integer"),
     ({"n": 129}, r"n must be an integer from 1 to 128"),
+    ({"best_of": 1000000}, r"best_of must be an integer from 1 to 128, got 1000000"),
     ({"max_tokens": 0}, r"max_tokens must be an integer >= 1, got 0"),
     ({"max_completion_tokens": "5"}, r"max_completion_tokens must be an integer"),
 ])

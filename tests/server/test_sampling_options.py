@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -105,6 +106,44 @@ def test_best_of(server):
     assert len(same.choices) == 2  # best_of = n: all of them, as OpenAI
     with pytest.raises(openai.BadRequestError, match="best_of"):
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, n=2, best_of=3)
+
+
+def test_vllms_stop_token_ids_and_ignore_eos(server):
+    """They were ignored (stop_token_ids) or refused (ignore_eos) though the engine has them."""
+    client = server.openai()
+    ask = dict(model=MODEL, prompt="Count: one, two, three, four, five,", max_tokens=12, temperature=0)
+    whole = client.completions.create(**ask)
+    ids = Tokenizer.load(resolve_model(None)).encode(whole.choices[0].text, add_special_tokens=False)
+    cut = client.completions.create(**ask, extra_body={"stop_token_ids": [ids[2]]})
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == 3, cut
+    short = client.completions.create(model=MODEL, prompt="Say OK.", max_tokens=40, temperature=0)
+    assert short.usage.completion_tokens < 40  # it ends by itself
+    longer = client.completions.create(model=MODEL, prompt="Say OK.", max_tokens=40, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert longer.usage.completion_tokens == 40 and longer.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="stop_token_ids must be a list of token ids"):
+        client.completions.create(**ask, extra_body={"stop_token_ids": [-1]})
+    for bad in ("a", [1.5]):  # wrong types: 422, as every field's
+        with pytest.raises(openai.UnprocessableEntityError, match="stop_token_ids"):
+            client.completions.create(**ask, extra_body={"stop_token_ids": bad})
+
+
+def test_a_huge_best_of_is_refused(server):
+    # A million sequences for one prompt held the engine for minutes (and /ready said ready).
+    with pytest.raises(openai.BadRequestError, match="best_of must be an integer from 1 to 128") as e:
+        server.openai().completions.create(model=MODEL, prompt="Hi", max_tokens=2, best_of=1_000_000)
+    assert e.value.body["param"] == "best_of"
+
+
+def test_a_top_k_beyond_any_vocabulary_fails_nobody(server):
+    """A top_k too large for the sampler's tensors failed every request of the step it ran in
+    (500 for the others too); it keeps every token, as top_k off."""
+    client = server.openai()
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=4, temperature=0)
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda k: client.chat.completions.create(**ask, extra_body={"top_k": k}),
+                             [10**30, None, None, 2**63]))
+    assert all(o.choices[0].message.content for o in outs)
 
 
 def _has_top_logprobs() -> bool:
