@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
@@ -24,6 +25,8 @@ from .scheduler import Scheduler
 from .scoring import add_candidate_score, choose_best, start_scoring
 from .stats import EngineStats
 from .stop import check_stop
+
+log = logging.getLogger("batchprompt")
 
 if TYPE_CHECKING:
     from ..runner.model_runner import ModelRunner
@@ -251,8 +254,10 @@ class LLMEngine:
             self.scheduler.undo(sched)  # they run in a later step, where the limits apply
             self.inside_pending = False
             return None
-        except Exception as e:  # the step's requests fail alone
-            done = self._fail_step(sched, e)
+        except Exception as e:  # each request runs alone: the one at fault fails, the others go on
+            sched, out, failed = self._execute_apart(sched, e)
+            done, decode_chunks = self._apply(sched, out)
+            done = failed + done
         else:
             done, decode_chunks = self._apply(sched, out)
             self._account(sched, out, decode_chunks, time.perf_counter() - t0)
@@ -292,8 +297,10 @@ class LLMEngine:
                 failed = self._out_of_memory(sched, e)
                 if failed:
                     return done + failed
-            except Exception as e:  # the step's requests fail alone; everything else goes on
-                return done + self._fail_step(sched, e)
+            except Exception as e:  # each request runs alone: the one at fault fails, the others go on
+                sched, out, failed = self._execute_apart(sched, e)
+                done += failed
+                break
         self.scheduler.limits.step_succeeded()
         finished, decode_chunks = self._apply(sched, out)
         # The steps run inside this one measured themselves.
@@ -407,16 +414,38 @@ class LLMEngine:
                                f"time ({type(error).__name__}: {error}): shorten the prompt, or leave the "
                                f"model more memory (a lower kv_cache_memory or kv_memory_fraction)")
 
-    def _fail_step(self, sched, error: Exception) -> list[RequestOutput]:
-        failed = []
-        message = f"the model failed on this step: {type(error).__name__}: {error}"
+    def _execute_apart(self, sched: SchedulerOutput, error: Exception
+                       ) -> tuple[SchedulerOutput, ModelRunnerOutput, list[RequestOutput]]:
+        """A step raised (not for memory): a value no check foresaw in one request, a kernel's
+        bug on one shape. Run each request's chunk of it alone, in the step's order, so that
+        only a request that fails alone fails (with the error it raised) and the others go on.
+        Returns the step of the chunks that ran, their output, and the failed requests' outputs."""
+        self.pool.drop_free_cached()  # blocks the failed step may have half written
+        if len(sched.chunks) > 1:
+            log.warning("a step of %d requests failed (%s: %s); running them one by one", len(sched.chunks),
+                        type(error).__name__, error)
+        merged, ran, failed = ModelRunnerOutput({}), [], []
         for chunk in sched.chunks:
             req = self._requests.get(chunk.request_id)
             if req is None or req.is_finished:  # a candidate whose request already failed
                 continue
-            failed += self._fail(req, message)
-        self.pool.drop_free_cached()
-        return failed
+            try:
+                out = error if len(sched.chunks) == 1 else self.runner.execute(
+                    SchedulerOutput([chunk], num_blocks=sched.num_blocks))
+                if isinstance(out, Exception):
+                    raise out
+            except Exception as e:  # noqa: BLE001  (this request's own failure)
+                failed += self._fail(req, f"the model failed on this step: {type(e).__name__}: {e}")
+                self.pool.drop_free_cached()
+                continue
+            ran.append(chunk)
+            merged.sampled.update(out.sampled)
+            merged.logprobs.update(out.logprobs)
+            merged.prompt_logprobs.update(out.prompt_logprobs)
+            merged.choice_logprobs.update(out.choice_logprobs)
+        # A scoring candidate that failed fails its whole request: its siblings' chunks are dropped.
+        ran = [c for c in ran if c.request_id in self._requests and not self._requests[c.request_id].is_finished]
+        return SchedulerOutput(ran, sched.preempted, sched.num_blocks, sched.admitted), merged, failed
 
     def _fail(self, req: Request, message: str) -> list[RequestOutput]:
         """Finish `req` with an error; a scoring candidate fails its whole request."""

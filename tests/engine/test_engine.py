@@ -212,3 +212,28 @@ def test_a_request_that_outgrows_the_kv_budget_fails_saying_what_to_do(tiny_mode
     assert len(outs[0].output_token_ids) == 8 * 4 + 1 - 12  # it ran until its newest token found no room
     assert outs[1].ok and len(outs[1].output_token_ids) == 4
     assert eng.pool.num_used == 0
+
+
+def test_a_step_that_fails_on_one_request_fails_that_request_alone(tiny_model, monkeypatch, caplog):
+    """A value no check foresaw (a top_k too big for the sampler's tensors once failed every
+    request of its step): the step's requests run one by one, the one at fault fails with the
+    error it raised, and the others give what they give without it."""
+    import batchprompt.runner.model_runner as model_runner
+
+    ps = prompts(4)
+    want = engine(tiny_model).generate(ps, GREEDY)
+    real = model_runner.sample
+
+    def sample(logits, chunks, ops):
+        if any(c.params.top_k == 7 for c in chunks):
+            raise RuntimeError("this row breaks the sampler")
+        return real(logits, chunks, ops)
+
+    monkeypatch.setattr(model_runner, "sample", sample)
+    poisoned = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, top_k=7)
+    outs = engine(tiny_model).generate(ps, [GREEDY, poisoned, GREEDY, GREEDY])
+    assert outs[1].finish_reason == "error" and "this row breaks the sampler" in outs[1].error
+    assert [o.error for i, o in enumerate(outs) if i != 1] == [None] * 3
+    assert [o.output_token_ids for i, o in enumerate(outs) if i != 1] == \
+        [o.output_token_ids for i, o in enumerate(want) if i != 1]
+    assert "running them one by one" in caplog.text
