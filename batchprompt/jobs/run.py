@@ -215,7 +215,9 @@ def _logprobs(row: Row) -> tuple[bool, int]:
     if row.url == COMPLETION:
         if isinstance(lp, bool) or lp is None:
             return bool(lp), 0
-        return True, lp  # SamplingParams checks it as top_logprobs
+        if not (isinstance(lp, int) and 0 <= lp <= 20):  # SamplingParams would name top_logprobs
+            raise ValueError(f"logprobs must be an integer from 0 to 20 (or true/false), got {lp!r}")
+        return True, lp
     if top and not lp:
         raise ValueError("top_logprobs needs logprobs: true")
     return bool(lp), top

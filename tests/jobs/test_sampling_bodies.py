@@ -52,6 +52,13 @@ def test_bad_sampling_fields_fail_the_row(body, match):
         row_params(row(CHAT, **body), OPTS)
 
 
+@pytest.mark.parametrize("value", [21, -1, 2.5, "3"])
+def test_a_completions_bad_logprobs_is_named_as_sent(value):
+    # It was refused as "top_logprobs must be ...", a field the client never sent.
+    with pytest.raises(ValueError, match=r"^logprobs must be an integer from 0 to 20"):
+        row_params(row(COMPLETION, logprobs=value), OPTS)
+
+
 def test_the_fields_are_not_counted_as_unknown():
     assert all(f in KNOWN_FIELDS or f in IGNORED_FIELDS for f in FIELDS)
 
