@@ -206,15 +206,26 @@ class Batch:
     def cancel(self) -> None:
         """Stop what has not finished (those results say 'cancelled'); keep what has. Returns
         once the engine has dropped the rest."""
-        fut = self._request_cancel()
+        fut = self.request_cancel()
         if fut is not None:
             try:
                 fut.result()
             except EngineStoppedError:  # the stopped service has answered every item already
                 pass
 
-    def _request_cancel(self) -> Future | None:
-        """Ask the engine thread to cancel, without waiting for it (safe on any thread)."""
+    async def cancel_async(self) -> None:
+        """cancel() for asyncio: awaits the engine's drop without holding a thread."""
+        fut = self.request_cancel()
+        if fut is not None:
+            try:
+                await asyncio.wrap_future(fut)
+            except EngineStoppedError:
+                pass
+
+    def request_cancel(self) -> Future | None:
+        """cancel() without waiting (safe on any thread, never blocks): the engine thread is
+        asked to drop what has not finished. The future (None if nothing had started) resolves
+        once it has; a thread that must not wait on the engine (a server shutting down) uses this."""
         with self._start_lock:
             if self._started_at is None:
                 self._cancel_unstarted()
@@ -228,7 +239,7 @@ class Batch:
     def _abandon(self) -> None:
         """The waiter went away (Ctrl-C, a cancelled task, an iteration left early)."""
         try:
-            self._request_cancel()
+            self.request_cancel()
         except Exception:  # noqa: BLE001  (never hide the exception the waiter is leaving with)
             log.exception("could not cancel an abandoned batch")
 

@@ -192,11 +192,12 @@ class EngineService:
     def in_flight(self) -> int:
         return len(self._in_engine)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> bool:
         """Stop both threads, answer every waiting item ('cancelled': the engine was shut down),
         leave the registry and drop the engine, so its weights and KV cache can be freed (unless
-        the caller holds the engine). Returns once the threads have ended, except for the one it
-        is called on."""
+        the caller holds the engine). Returns once the threads have ended (True), except for the
+        one it is called on, or after `timeout` seconds (False: the engine thread is still in a
+        step; it ends after it)."""
         _unregister(self)
         with self._cond:
             if not self._stopping:
@@ -204,10 +205,12 @@ class EngineService:
             self._cond.notify()
         current = threading.current_thread()
         if current is self._thread:  # a command: the loop ends when it returns
-            return
-        self._thread.join()
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._thread.join(timeout)
         if current is not self._dispatcher:
-            self._dispatcher.join()
+            self._dispatcher.join(None if deadline is None else max(deadline - time.monotonic(), 0))
+        return not self._thread.is_alive() and (current is self._dispatcher or not self._dispatcher.is_alive())
 
     # ---- engine thread ----------------------------------------------------------------------
     def _loop(self, build: Callable[[], LLMEngine] | None) -> None:
@@ -482,12 +485,14 @@ def _unregister(service: EngineService) -> None:
             del _services[key]
 
 
-def shutdown(model: str | LLMEngine | None = None) -> int:
+def shutdown(model: str | LLMEngine | None = None, timeout: float | None = None) -> int:
     """Release engines: every one in the process (model=None), or those of one model (as
     given to `LanguageModel.create`: an id, a path, 'smollm2-135m', or an LLMEngine). Work still
     waiting on them is cancelled ('the engine was shut down'), their threads end, and their
     weights and KV cache are freed unless you hold the engine yourself; sessions on them raise
-    EngineStoppedError; the next call builds a fresh engine. Returns how many were released."""
+    EngineStoppedError; the next call builds a fresh engine. Returns how many were released.
+    `timeout`: wait at most this long in all for their threads (an engine thread stuck in a
+    step is then left to end after it, logged); by default, wait until they end."""
     with _services_lock:
         services = list(dict.fromkeys(_services.values()))
     if model is not None:
@@ -498,6 +503,10 @@ def shutdown(model: str | LLMEngine | None = None) -> int:
             path = str(resolve_model(model).path)
             with _services_lock:
                 services = list(dict.fromkeys(s for k, s in _services.items() if k[0] == path))
+    deadline = None if timeout is None else time.monotonic() + timeout
     for service in services:
-        service.shutdown()
+        left = None if deadline is None else max(deadline - time.monotonic(), 0)
+        if not service.shutdown(left):
+            log.warning("the engine of %s did not finish its step within %.0fs of its shutdown: not waited for",
+                        service.name, timeout)
     return len(services)

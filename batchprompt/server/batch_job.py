@@ -76,7 +76,7 @@ class BatchJob:
         self.ending = ending
         batch = self._engine_batch
         if batch is not None:  # its unfinished requests come back 'cancelled' and the run ends
-            asyncio.get_running_loop().run_in_executor(None, batch.cancel)
+            batch.request_cancel()
         return True
 
     # ---- the run -------------------------------------------------------------------------------
@@ -103,7 +103,7 @@ class BatchJob:
         """The batch fails with the reason; the requests that finished before stay in its output
         and error files (written from the journal, as at a normal end)."""
         if self._engine_batch is not None:  # what is still in the engine stops
-            await asyncio.get_running_loop().run_in_executor(None, self._engine_batch.cancel)
+            await self._engine_batch.cancel_async()
         sizes: dict[str, int] = {}
         batch = await asyncio.to_thread(self.api.store.get_batch, self.id)
         if batch["output_file_id"] is not None:

@@ -110,6 +110,10 @@ def _priority_options(args: argparse.Namespace) -> dict:
     return opts
 
 
+#: How long a stopping server waits for its engine thread to end after the HTTP side has closed.
+ENGINE_STOP_S = 10.0
+
+
 def serve(config, log_level: str = "info") -> int:
     import uvicorn
 
@@ -142,7 +146,9 @@ def serve(config, log_level: str = "info") -> int:
     try:
         server.run()
     finally:
-        shutdown(state.model_key)  # the engine's threads end; its memory is freed
+        # The engine's threads end and its memory is freed; an engine thread stuck in a step is
+        # not waited for beyond ENGINE_STOP_S (what finished is journaled already).
+        shutdown(state.model_key, timeout=ENGINE_STOP_S)
     return 0
 
 

@@ -1,10 +1,13 @@
 """The uvicorn server, stopped the way a service should be: a signal is how it is asked to
 stop, not a failure, so the process exits 0 (uvicorn re-raises the signal after its shutdown,
 which makes the exit status 130 or 143), and requests in flight are cancelled at once rather
-than waited for (a long generation would otherwise hold the shutdown)."""
+than waited for (a long generation would otherwise hold the shutdown). Whatever else holds
+it, the process is gone SHUTDOWN_LIMIT_S after the signal: a stuck stop must not need kill -9."""
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import signal
 import threading
 
@@ -13,6 +16,12 @@ import uvicorn
 from .state import ServerState
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+#: After a stop signal, the longest the process lives. Each step of a stop is bounded on its own
+#: (the requests' cancel, the batches' commit, the engine thread); this is the last resort.
+SHUTDOWN_LIMIT_S = 90.0
+
+log = logging.getLogger("batchprompt")
 
 
 class Server(uvicorn.Server):
@@ -35,5 +44,16 @@ class Server(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         if self.should_exit and sig == signal.SIGINT:  # a second Ctrl-C: stop waiting for anything
             self.force_exit = True
+        if not self.should_exit:
+            threading.Thread(target=_exit_after, args=(SHUTDOWN_LIMIT_S,), name="batchprompt-stop-limit",
+                             daemon=True).start()
         self.should_exit = True
         self.state.begin_shutdown_threadsafe()
+
+
+def _exit_after(seconds: float) -> None:
+    threading.Event().wait(seconds)
+    log.error("the server did not stop within %.0fs of the signal: exiting now (finished work is "
+              "journaled; unfinished batches resume at the next start)", seconds)
+    logging.shutdown()
+    os._exit(1)

@@ -142,7 +142,7 @@ async def batch_cancel(batch_id: str, request: Request) -> dict:
     job = server_state(request).batches.get(batch_id)
     if job.finished_at is None:
         job.cancel_asked = True
-        await asyncio.to_thread(job.batch.cancel)
+        await job.batch.cancel_async()
         # The batch is done; its task records the end right after (bounded: never hang a request).
         await asyncio.wait({asyncio.ensure_future(job.ended.wait())}, timeout=5)
     return job.to_json()

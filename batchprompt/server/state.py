@@ -28,6 +28,11 @@ from .errors import ApiError
 
 log = logging.getLogger("batchprompt")
 
+#: At shutdown, how long the requests in flight wait for the engine to cancel them (it does so
+#: between two steps, in milliseconds). A step stuck longer than this (a kernel that hangs) is
+#: not waited for: the requests are answered 503 without it, so the server can still exit.
+CANCEL_GRACE_S = 5.0
+
 SHUTTING_DOWN = "the server is shutting down; the request was cancelled (send it to another server or retry later)"
 
 
@@ -46,6 +51,7 @@ class ServerState:
         self.shutting_down = False
         self._cancelling: asyncio.Future | None = None  # the shutdown's cancel of requests in flight
         self.cancelled: Counter[str] = Counter()  # requests cancelled, by reason (metrics)
+        self.abandoned = asyncio.Event()  # set when a shutdown's cancel is not done in CANCEL_GRACE_S
         self._service: EngineService | None = None
         self._lock = threading.Lock()
         self._active: set[Batch] = set()  # batches of requests being answered (not async batches)
@@ -131,7 +137,9 @@ class ServerState:
 
     def begin_shutdown(self) -> asyncio.Future | None:
         """Refuse new work and cancel what is in flight, so that uvicorn's wait for open
-        requests ends at once (each answers 503, or ends its stream with an error)."""
+        requests ends at once (each answers 503, or ends its stream with an error). Nothing here
+        waits on the engine thread: if it is stuck in a step, `abandoned` is set after
+        CANCEL_GRACE_S and the requests are answered without it."""
         if self.shutting_down:
             return self._cancelling
         self.shutting_down = True
@@ -139,16 +147,32 @@ class ServerState:
             active = list(self._active)
         if active:
             self.cancelled["shutdown"] += len(active)
-            self._cancelling = asyncio.ensure_future(asyncio.to_thread(_cancel_all, active))
+            self._cancelling = asyncio.ensure_future(_cancel_all(active))
+            asyncio.ensure_future(self._abandon_if_stuck(self._cancelling))
         return self._cancelling
 
+    async def _abandon_if_stuck(self, cancelling: asyncio.Future) -> None:
+        done, _ = await asyncio.wait({cancelling}, timeout=CANCEL_GRACE_S)
+        if not done:
+            log.warning("the engine did not finish its step within %.0fs of the shutdown: the requests in "
+                        "flight are answered without it", CANCEL_GRACE_S)
+            self.abandoned.set()
 
-def _cancel_all(batches: list[Batch]) -> None:
+
+async def _cancel_all(batches: list[Batch]) -> None:
+    """Ask the engine to drop every batch's unfinished work; return once it has."""
+    waits = []
     for batch in batches:
         try:
-            batch.cancel()
+            fut = batch.request_cancel()
         except Exception:  # noqa: BLE001  (one batch's failure must not keep the others running)
             log.exception("could not cancel a request at shutdown")
+            continue
+        if fut is not None:
+            waits.append(asyncio.wrap_future(fut))
+    for outcome in await asyncio.gather(*waits, return_exceptions=True):
+        if isinstance(outcome, Exception) and not isinstance(outcome, EngineStoppedError):
+            log.error("could not cancel a request at shutdown: %s", outcome)
 
 
 async def close(state: ServerState) -> None:
@@ -158,8 +182,9 @@ async def close(state: ServerState) -> None:
     tasks = [job.task for job in state.batches.all() if job.task is not None and not job.task.done()]
     for task in tasks:  # an async batch's task cancels its batch as it goes
         task.cancel()
-    waits = tasks + ([pending] if pending is not None else [])
-    if waits:
-        await asyncio.wait(waits, timeout=30)
+    if tasks:
+        await asyncio.wait(tasks, timeout=30)
+    if pending is not None and not state.abandoned.is_set():  # begun at the signal: done unless the engine is stuck
+        await asyncio.wait({pending}, timeout=CANCEL_GRACE_S)
     await state.webhooks.close()
     await state.batch_api.close()

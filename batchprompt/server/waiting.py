@@ -6,6 +6,7 @@ Starlette when the client disconnects, and its `finally` cancels what has not fi
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -17,6 +18,8 @@ from .responses import DONE, KEEP_ALIVE, Chunks, error_event, result_error
 from .schemas import CLIENT_GONE
 from .state import SHUTTING_DOWN, ServerState
 
+log = logging.getLogger("batchprompt")
+
 KEEP_ALIVE_S = 15.0  # a comment line this often while a stream waits, so proxies keep it open
 
 
@@ -26,12 +29,16 @@ async def results(request: Request, state: ServerState, batch: Batch) -> list[Re
     with state.track(batch):
         waiter = asyncio.ensure_future(batch.wait_async())
         gone = asyncio.ensure_future(_disconnected(request))
+        stuck = asyncio.ensure_future(state.abandoned.wait())
         try:
-            await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({waiter, gone, stuck}, return_when=asyncio.FIRST_COMPLETED)
         finally:  # also when this handler is cancelled: the waiter's cancel cancels the batch
             gone.cancel()
+            stuck.cancel()
             if not waiter.done():
                 waiter.cancel()
+        if state.abandoned.is_set() and not (waiter.done() and not waiter.cancelled()):
+            raise ApiError(503, SHUTTING_DOWN, "shutting_down")  # the engine is stuck: answered without it
         if not waiter.done() or waiter.cancelled():
             state.cancelled["client_disconnected"] += 1
             raise ApiError(CLIENT_GONE, "the client went away; its request was cancelled", "client_disconnected")
@@ -71,7 +78,12 @@ async def events(state: ServerState, batch: Batch, chunks: Chunks) -> AsyncItera
                 yield chunk
             received = 0
             while received < batch.total:
-                item = await _next(arrived)
+                item = await _next(arrived, state.abandoned)
+                if item is ABANDONED:  # shutting down, and the engine is stuck in a step
+                    yield error_event(ApiError(503, SHUTTING_DOWN, "shutting_down"))
+                    yield DONE
+                    finished = True
+                    return
                 if item is None:
                     yield KEEP_ALIVE
                     continue
@@ -100,15 +112,31 @@ async def events(state: ServerState, batch: Batch, chunks: Chunks) -> AsyncItera
             if not finished:
                 state.cancelled["client_disconnected"] += 1
             # Not awaited: this may run inside a cancelled task, or as the generator is closed.
-            loop.run_in_executor(None, batch.cancel)
+            try:
+                batch.request_cancel()
+            except Exception:  # noqa: BLE001  (a generator's cleanup must not raise)
+                log.exception("could not cancel a stream's request")
 
 
-async def _next(arrived: asyncio.Queue):
-    """The next (index, result), or None after KEEP_ALIVE_S without one."""
+ABANDONED = object()
+
+
+async def _next(arrived: asyncio.Queue, abandoned: asyncio.Event):
+    """The next (index, result), None after KEEP_ALIVE_S without one, or ABANDONED once
+    `abandoned` is set."""
+    if abandoned.is_set():
+        return ABANDONED
+    got = asyncio.ensure_future(arrived.get())
+    stuck = asyncio.ensure_future(abandoned.wait())
     try:
-        return await asyncio.wait_for(arrived.get(), KEEP_ALIVE_S)
-    except asyncio.TimeoutError:
-        return None
+        await asyncio.wait({got, stuck}, timeout=KEEP_ALIVE_S, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stuck.cancel()
+        if not got.done():
+            got.cancel()
+    if got.done() and not got.cancelled():
+        return got.result()
+    return ABANDONED if abandoned.is_set() else None
 
 
 def _stream_error(state: ServerState, result: Result) -> ApiError:

@@ -106,3 +106,20 @@ def test_close_releases_the_engine_once_no_other_session_uses_it(messages):
     assert engine() is None
     with pytest.raises(bp.SessionDestroyedError):
         other.prompt(messages[0])
+
+
+def test_shutdown_with_a_timeout_returns_while_the_engine_is_stuck_in_a_step(engine32):
+    """A server stopping must not wait without end for a step that never returns (it did: the
+    join had no bound). With `timeout`, shutdown returns False in time; the thread ends after."""
+    service = service_module.EngineService(engine32, name="stuck")
+    release = threading.Event()
+    stuck = service.call(lambda: release.wait(60))  # the engine thread is busy until released
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    assert service.shutdown(timeout=0.5) is False
+    assert time.monotonic() - t0 < 5
+    assert service._thread.is_alive()
+    release.set()
+    assert stuck.result(30) is True
+    assert service.shutdown(timeout=30) is True
+    assert not service._thread.is_alive() and not service._dispatcher.is_alive()

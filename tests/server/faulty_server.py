@@ -3,11 +3,16 @@ set by environment variables, so a test can see what a batch does then:
 - FAIL_AT_ROW=N: the batch journal raises a RuntimeError (a bug's stand-in) when it is asked to
   record its N-th request;
 - HOLD_AFTER_COMPUTE=1: a batch whose requests have all run waits until a second after its
-  completion window ended before it writes its outputs (a slow machine's stand-in)."""
+  completion window ended before it writes its outputs (a slow machine's stand-in);
+- STALL_FILE=PATH: once PATH exists, the engine's next step never returns (a kernel that hangs,
+  or a step far longer than any wait, stands in)."""
 import asyncio
 import os
 import time
 
+from pathlib import Path
+
+from batchprompt.engine.engine import LLMEngine
 from batchprompt.jobs.journal import Journal
 from batchprompt.server.batch_job import BatchJob
 from batchprompt.server.command import main
@@ -15,6 +20,8 @@ from batchprompt.server.command import main
 FAIL_AT = int(os.environ.get("FAIL_AT_ROW", "0"))
 _record = Journal.record
 _compute = BatchJob._compute
+_step = LLMEngine.step
+STALL_FILE = os.environ.get("STALL_FILE")
 _calls = 0
 
 
@@ -31,8 +38,16 @@ async def compute_then_hold(self, rows):
     await asyncio.sleep(max(self.batch["expires_at"] - time.time() + 1, 0))
 
 
+def step_or_stall(self, *args, **kwargs):
+    if Path(STALL_FILE).exists():
+        time.sleep(24 * 3600)
+    return _step(self, *args, **kwargs)
+
+
 if FAIL_AT:
     Journal.record = record
 if os.environ.get("HOLD_AFTER_COMPUTE"):
     BatchJob._compute = compute_then_hold
+if STALL_FILE:
+    LLMEngine.step = step_or_stall
 raise SystemExit(main())

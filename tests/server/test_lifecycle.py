@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import openai
@@ -117,3 +118,34 @@ def test_a_kv_cache_too_small_for_one_full_context_request_exits_2(tmp_path):
     assert p.returncode == 2, p.stderr
     assert "the KV cache holds 4 tokens" in p.stderr and "--kv-cache-memory" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr, p.stderr
+
+
+def test_sigterm_exits_while_the_engine_is_stuck_in_a_step(tmp_path):
+    """It waited for the engine thread without end: a step that never returned kept a stopped
+    server alive until it was killed. Now it exits (0) when its grace period is over, and the
+    request in flight gets its 503."""
+    stall = tmp_path / "stall"
+    srv = start_server(tmp_path, module="tests.server.faulty_server", env={"STALL_FILE": str(stall)})
+    try:
+        stall.touch()
+        answers = {}
+
+        def ask():
+            with srv.client(timeout=120) as c:
+                answers["r"] = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
+
+        t = threading.Thread(target=ask)
+        t.start()
+        time.sleep(3)  # the request is in the engine's stuck step by now (stats cannot say: they wait for a step's end)
+        assert t.is_alive()
+        started = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(STOP_TIMEOUT_S) == 0, srv.output()[-3000:]
+        took = time.monotonic() - started
+        t.join(30)
+        assert not t.is_alive()
+        assert answers["r"].status_code == 503, answers["r"].text
+        assert "did not finish its step" in srv.output(), srv.output()[-3000:]
+        assert took < 40, took
+    finally:
+        stop_server(srv)
