@@ -42,7 +42,8 @@ def check_context(ids: list[int], max_model_len: int, what: str, max_tokens: int
     verb = "have" if what == "the messages" else "has"
     if len(ids) >= max_model_len:
         raise Refused(f"{what} {verb} {len(ids)} tokens, but the context holds {max_model_len} (prompt plus at "
-                      f"least one generated token): shorten it", "context_length_exceeded")
+                      f"least one generated token): shorten it", "context_length_exceeded",
+                      "messages" if what == "the messages" else "prompt")
     if max_tokens is not None and len(ids) + max_tokens > max_model_len:
         raise Refused(f"the context holds {max_model_len} tokens, but this request asks for "
                       f"{len(ids) + max_tokens}: {len(ids)} in {what} and max_tokens {max_tokens}; lower "

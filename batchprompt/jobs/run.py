@@ -157,6 +157,12 @@ class Pending:
     choices: list[Result | None]
 
 
+#: vLLM's structured_outputs keys: those that ask for a constraint, and flags whose true value
+#: is what batchprompt always does (closed objects, compact JSON, no other backend to fall back to).
+STRUCTURED_KEYS = ("choice", "regex", "json", "grammar", "json_object")
+STRUCTURED_FLAGS = ("disable_additional_properties", "disable_any_whitespace", "disable_fallback")
+
+
 def row_spec(row: Row, opts: JobOptions) -> OutputSpec | None:
     """The row's structured output: OpenAI's response_format, vLLM's guided_* fields or its
     structured_outputs object; the command's --choices/--regex/--json-schema when none."""
@@ -164,12 +170,31 @@ def row_spec(row: Row, opts: JobOptions) -> OutputSpec | None:
     so = b.get("structured_outputs") or {}
     if not isinstance(so, dict):
         raise ValueError("structured_outputs must be an object such as {\"choice\": [...]}")
+    _check_structured_keys(so)
+    json_schema = b.get("guided_json", so.get("json"))
+    if json_schema is None and so.get("json_object"):
+        json_schema = "json_object"
     asked = {"choices": b.get("guided_choice", so.get("choice")), "regex": b.get("guided_regex", so.get("regex")),
-             "json_schema": b.get("guided_json", so.get("json")),
+             "json_schema": json_schema,
              "grammar": b.get("guided_grammar", so.get("grammar")), "response_format": b.get("response_format")}
     if all(v is None for v in asked.values()):
         asked = {k: v for k, v in opts.structured.items() if k != "choice_mode"}
     return OutputSpec.from_options(choice_mode=b.get("choice_mode", opts.structured.get("choice_mode")), **asked)
+
+
+def _check_structured_keys(so: dict) -> None:
+    """A key vLLM does not know, or one batchprompt cannot honour, is an error, not ignored."""
+    for key, value in so.items():
+        if key in STRUCTURED_KEYS:
+            continue
+        if key in STRUCTURED_FLAGS:
+            if not isinstance(value, bool):
+                raise ValueError(f"structured_outputs.{key} must be true or false, got {value!r}")
+            continue
+        if key in ("whitespace_pattern", "structural_tag"):
+            raise ValueError(f"structured_outputs.{key} is not supported by batchprompt: give choice, regex, "
+                             f"json or grammar")
+        raise ValueError(f"structured_outputs has no field {key!r}: give one of {', '.join(STRUCTURED_KEYS)}")
 
 
 #: Body fields passed to SamplingParams as they are (it checks them), absent or null = default.

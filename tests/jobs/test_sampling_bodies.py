@@ -9,7 +9,7 @@ import pytest
 from batchprompt.api.result import Result, Usage
 from batchprompt.jobs import openai_io
 from batchprompt.jobs.rows import CHAT, COMPLETION, IGNORED_FIELDS, KNOWN_FIELDS, read_jsonl
-from batchprompt.jobs.run import JobOptions, row_params
+from batchprompt.jobs.run import JobOptions, row_params, row_spec
 
 OPTS = JobOptions("in", "out")
 FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
@@ -90,3 +90,21 @@ def test_completion_top_logprobs_in_openais_shape():
     lp = body["choices"][0]["logprobs"]
     assert lp["top_logprobs"] == [{"a": -0.1, "c": -2.5}, {"b": -0.2, "a": -1.5}]
     assert (lp["tokens"], lp["token_logprobs"], lp["text_offset"]) == (["a", "b"], [-0.1, -0.2], [0, 1])
+
+
+@pytest.mark.parametrize("so, match", [
+    ({"foo": 1}, r"^structured_outputs has no field 'foo': give one of choice, regex"),
+    ({"choice": ["a", "b"], "chioce": ["c"]}, r"no field 'chioce'"),
+    ({"regex": "a+", "whitespace_pattern": " "}, r"^structured_outputs.whitespace_pattern is not supported"),
+    ({"regex": "a+", "disable_fallback": "yes"}, r"^structured_outputs.disable_fallback must be true or false"),
+])
+def test_a_structured_outputs_key_that_cannot_be_honoured_fails_the_row(so, match):
+    # An unknown key was ignored: the row ran with no constraint and nothing said so.
+    with pytest.raises(ValueError, match=match):
+        row_spec(row(CHAT, structured_outputs=so), OPTS)
+
+
+def test_structured_outputs_flags_that_match_what_batchprompt_does_are_accepted():
+    spec = row_spec(row(CHAT, structured_outputs={"regex": "a+", "disable_any_whitespace": True,
+                                                  "disable_additional_properties": True}), OPTS)
+    assert spec.grammar.kind == "regex"
