@@ -50,6 +50,7 @@ class ServerState:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.shutting_down = False
         self._cancelling: asyncio.Future | None = None  # the shutdown's cancel of requests in flight
+        self._watch: asyncio.Future | None = None  # sets `abandoned` if that cancel takes too long
         self.cancelled: Counter[str] = Counter()  # requests cancelled, by reason (metrics)
         self.abandoned = asyncio.Event()  # set when a shutdown's cancel is not done in CANCEL_GRACE_S
         self._service: EngineService | None = None
@@ -148,7 +149,8 @@ class ServerState:
         if active:
             self.cancelled["shutdown"] += len(active)
             self._cancelling = asyncio.ensure_future(_cancel_all(active))
-            asyncio.ensure_future(self._abandon_if_stuck(self._cancelling))
+            self._watch = asyncio.ensure_future(self._abandon_if_stuck(self._cancelling))  # held: a task
+            # only weakly referenced by the loop could be collected before it runs
         return self._cancelling
 
     async def _abandon_if_stuck(self, cancelling: asyncio.Future) -> None:
