@@ -472,6 +472,9 @@ class LLMEngine:
         text = self.tokenizer.decode(ids) if (self.tokenizer and ids) else ""
         if req.stop_text_len is not None:
             text = text[:req.stop_text_len]
+        # A character whose bytes the output ended inside (max_tokens cut an emoji's tokens) is
+        # left out, as vLLM's detokenizer leaves it, not written as U+FFFD.
+        text = text.rstrip("\ufffd")
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             output_token_ids=list(ids), text=text, finish_reason=req.finish_reason or "error",

@@ -237,3 +237,18 @@ def test_a_step_that_fails_on_one_request_fails_that_request_alone(tiny_model, m
     assert [o.output_token_ids for i, o in enumerate(outs) if i != 1] == \
         [o.output_token_ids for i, o in enumerate(want) if i != 1]
     assert "running them one by one" in caplog.text
+
+
+def test_an_output_cut_inside_a_character_leaves_the_character_out(engine32):
+    """'😊' is three tokens here; max_tokens cut after the first wrote U+FFFD at the end of the
+    text. As vLLM's detokenizer does, the incomplete character is left out; the token stays."""
+    tok = engine32.tokenizer
+    first = tok.encode("😊", add_special_tokens=False)[0]
+    assert tok.decode([first]) == "\ufffd"
+    rid = engine32.add_request("Hi", SamplingParams(max_tokens=1, temperature=0, logit_bias={first: 100}))
+    outs = []
+    while engine32.has_unfinished():
+        outs += engine32.step()
+    out = {o.request_id: o for o in outs}[rid]
+    assert out.output_token_ids == [first] and out.finish_reason == "length"
+    assert out.text == ""
