@@ -122,7 +122,7 @@ async def batch_stats(request: Request) -> dict:
               "steps": s.steps, "prompt_tokens": s.prompt_tokens, "cached_prompt_tokens": s.cached_prompt_tokens,
               "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "generation_tokens": s.decode_tokens,
               "generation_tokens_per_s": s.decode_tokens_per_s, "prefill_tokens_per_s": s.prefill_tokens_per_s,
-              "preemptions": s.preemptions, "kv_blocks_used": s.kv_blocks_used,
+              "preemptions": s.preemptions, "inside_steps": s.inside_steps, "kv_blocks_used": s.kv_blocks_used,
               "kv_blocks_total": s.kv_blocks_total,
               "kv_cache_usage": s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0}
     server = {"requests_in_flight": state.requests_in_flight(), "prompts_pending": state.prompts_pending(),
