@@ -13,6 +13,7 @@ _NOOP = {
     "functions": lambda v: not v,
     "use_beam_search": lambda v: not v,
     "prompt_logprobs": lambda v: v is None,
+    "guided_whitespace_pattern": lambda v: v is None,  # JSON here is always compact
 }
 
 

@@ -171,12 +171,21 @@ def row_spec(row: Row, opts: JobOptions) -> OutputSpec | None:
     if not isinstance(so, dict):
         raise ValueError("structured_outputs must be an object such as {\"choice\": [...]}")
     _check_structured_keys(so)
-    json_schema = b.get("guided_json", so.get("json"))
+
+    def one(field: str, key: str):  # a constraint from guided_<kind> or structured_outputs.<key>, never both
+        if b.get(field) is not None and so.get(key) is not None:
+            raise ValueError(f"{field} and structured_outputs.{key} both ask for a constraint: give one of them")
+        return b[field] if b.get(field) is not None else so.get(key)
+
+    json_schema = one("guided_json", "json")
     if json_schema is None and so.get("json_object"):
         json_schema = "json_object"
-    asked = {"choices": b.get("guided_choice", so.get("choice")), "regex": b.get("guided_regex", so.get("regex")),
-             "json_schema": json_schema,
-             "grammar": b.get("guided_grammar", so.get("grammar")), "response_format": b.get("response_format")}
+    if json_schema is not None and b.get("response_format") is not None:
+        given = "guided_json" if b.get("guided_json") is not None else "structured_outputs"
+        raise ValueError(f"response_format and {given} both ask for a constraint: give one of them")
+    asked = {"choices": one("guided_choice", "choice"), "regex": one("guided_regex", "regex"),
+             "json_schema": json_schema, "grammar": one("guided_grammar", "grammar"),
+             "response_format": b.get("response_format")}
     if all(v is None for v in asked.values()):
         asked = {k: v for k, v in opts.structured.items() if k != "choice_mode"}
     return OutputSpec.from_options(choice_mode=b.get("choice_mode", opts.structured.get("choice_mode")), **asked)

@@ -108,3 +108,19 @@ def test_structured_outputs_flags_that_match_what_batchprompt_does_are_accepted(
     spec = row_spec(row(CHAT, structured_outputs={"regex": "a+", "disable_any_whitespace": True,
                                                   "disable_additional_properties": True}), OPTS)
     assert spec.grammar.kind == "regex"
+
+
+@pytest.mark.parametrize("body, match", [
+    # The guided_* field silently won over structured_outputs of the same kind.
+    ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, r"^guided_regex and structured_outputs.regex both"),
+    ({"structured_outputs": {"choice": ["x", "w"]}, "guided_choice": ["yes", "no"]}, r"^guided_choice and "),
+    ({"structured_outputs": {"json": {"type": "integer"}}, "guided_json": {"type": "boolean"}}, r"^guided_json and "),
+    # It blamed the JSON schema, a field the client never sent.
+    ({"guided_json": {"type": "integer"}, "response_format": {"type": "json_object"}},
+     r"^response_format and guided_json both ask"),
+    ({"structured_outputs": {"json_object": True}, "response_format": {"type": "json_object"}},
+     r"^response_format and structured_outputs both ask"),
+])
+def test_two_constraints_from_two_fields_fail_the_row_naming_both(body, match):
+    with pytest.raises(ValueError, match=match):
+        row_spec(row(CHAT, **body), OPTS)

@@ -25,6 +25,8 @@ def tokenizer():
      "response_format"),
     ({"messages": [{"role": "user", "content": "hi " * 9000}]}, "messages"),  # was null
     ({"max_tokens": 9000}, "max_tokens"),
+    ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, "guided_regex"),  # guided_regex won, silently
+    ({"guided_json": {"type": "object"}, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),  # ignored
 ])
 def test_a_chat_refusal_names_the_field(tokenizer, body, param):
     with pytest.raises(ApiError) as e:
