@@ -236,8 +236,9 @@ class Batch:
                 self._cancelling = self._service.cancel(self._source, on_pending)
             return self._cancelling
 
-    def _abandon(self) -> None:
-        """The waiter went away (Ctrl-C, a cancelled task, an iteration left early)."""
+    def abandon(self) -> None:
+        """The waiter went away (Ctrl-C, a cancelled task, an iteration left early, a closed
+        stream): request_cancel(), never raising (what fails is logged)."""
         try:
             self.request_cancel()
         except Exception:  # noqa: BLE001  (never hide the exception the waiter is leaving with)
@@ -289,7 +290,7 @@ class Batch:
             self.start()
             finished = (self._done if on_callback_thread() else self._finished).wait(timeout)
         except BaseException:  # Ctrl-C: nobody will read the rest
-            self._abandon()
+            self.abandon()
             raise
         if not finished:  # not a cancel: the caller may wait again
             raise TimeoutError(f"the batch did not finish within {timeout}s ({self.progress})")
@@ -309,7 +310,7 @@ class Batch:
             self.start()
             await fut
         except BaseException:  # CancelledError: the task went away
-            self._abandon()
+            self.abandon()
             raise
 
     # ---- iteration, as completed ----------------------------------------------------------
@@ -357,7 +358,7 @@ class Batch:
         finally:
             self._unsubscribe(put)
             if not self._done.is_set():
-                self._abandon()
+                self.abandon()
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, Result]]:
         """Results as they complete, in asyncio. Leaving early cancels the rest."""
@@ -367,7 +368,7 @@ class Batch:
         def put(i: int, r: Result) -> None:  # on the engine thread
             if not _call_soon(loop, q.put_nowait, (i, r)):  # the loop closed: nobody reads on
                 self._unsubscribe(put)
-                self._abandon()
+                self.abandon()
 
         seen = self._subscribe(put)
         try:
@@ -380,7 +381,7 @@ class Batch:
         finally:
             self._unsubscribe(put)
             if not self._done.is_set():
-                self._abandon()
+                self.abandon()
 
     def __len__(self) -> int:
         return self.total

@@ -10,6 +10,7 @@ from ..structured.grammar import Grammar
 
 #: Seeds are 64-bit signed integers, as in vLLM; torch's generator refuses what is beyond.
 SEED_RANGE = (-2**63, 2**63 - 1)
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on the top tokens returned per position
 
 
 @dataclass(frozen=True)
@@ -94,8 +95,8 @@ class SamplingParams:
                f"min_p must be a number from 0 to 1, got {self.min_p!r}")
         _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
                f"min_tokens must be an integer from 0 to max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
-        _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= 20,
-               f"top_logprobs must be an integer from 0 to 20, got {self.top_logprobs!r}")
+        _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+               f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {self.top_logprobs!r}")
         _check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         _check(self.best_of is None or (_is_int(self.best_of) and self.best_of >= self.n),
                f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")

@@ -18,6 +18,7 @@ from ..api.result import Result
 from ..api.structured import OutputSpec
 from ..backends import Backend, get_backend
 from ..engine import SamplingParams
+from ..engine.sampling_params import MAX_TOP_LOGPROBS
 from ..models.tokenizer import cache_dir
 from . import openai_io, refusals
 from .ids import check_ids
@@ -249,8 +250,8 @@ def _logprobs(row: Row) -> tuple[bool, int]:
     if row.url == COMPLETION:
         if isinstance(lp, bool) or lp is None:
             return bool(lp), 0
-        if not (isinstance(lp, int) and 0 <= lp <= 20):  # SamplingParams would name top_logprobs
-            raise ValueError(f"logprobs must be an integer from 0 to 20 (or true/false), got {lp!r}")
+        if not (isinstance(lp, int) and 0 <= lp <= MAX_TOP_LOGPROBS):  # SamplingParams would name top_logprobs
+            raise ValueError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} (or true/false), got {lp!r}")
         return True, lp
     if top and not lp:
         raise ValueError("top_logprobs needs logprobs: true")

@@ -6,7 +6,6 @@ Starlette when the client disconnects, and its `finally` cancels what has not fi
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -17,8 +16,6 @@ from .errors import ApiError
 from .responses import DONE, KEEP_ALIVE, Chunks, error_event, result_error
 from .schemas import CLIENT_GONE
 from .state import SHUTTING_DOWN, ServerState
-
-log = logging.getLogger("batchprompt")
 
 KEEP_ALIVE_S = 15.0  # a comment line this often while a stream waits, so proxies keep it open
 
@@ -112,10 +109,7 @@ async def events(state: ServerState, batch: Batch, chunks: Chunks) -> AsyncItera
             if not finished:
                 state.cancelled["client_disconnected"] += 1
             # Not awaited: this may run inside a cancelled task, or as the generator is closed.
-            try:
-                batch.request_cancel()
-            except Exception:  # noqa: BLE001  (a generator's cleanup must not raise)
-                log.exception("could not cancel a stream's request")
+            batch.abandon()
 
 
 ABANDONED = object()
