@@ -9,6 +9,7 @@ from ..api.batch import Progress
 from ..api.result import Result
 from ..api.text_stream import TextStream
 from ..jobs import openai_io
+from ..jobs.rows import CHAT
 from .errors import ApiError, error_body
 from .requests import Plan
 
@@ -32,6 +33,11 @@ def result_error(r: Result) -> ApiError:
                     else "invalid_request")
 
 
+def response_id(plan: Plan, chat: bool) -> str:
+    """The id of a request's answer, streamed or not: its plan's random id."""
+    return ("chatcmpl-" if chat else "cmpl-") + plan.request_id
+
+
 def body(plan: Plan, results: Sequence[Result], model: str, created: int) -> dict[str, Any]:
     """The whole answer: one prompt's n choices (chat), or every prompt's (completions: choice
     `index` is prompt * n + choice, as vLLM numbers them)."""
@@ -39,6 +45,7 @@ def body(plan: Plan, results: Sequence[Result], model: str, created: int) -> dic
     parts = [openai_io.response_body(row, results[i * n:(i + 1) * n], model, created, plan.token_text)
              for i, row in enumerate(plan.rows)]
     out = parts[0]
+    out["id"] = response_id(plan, plan.rows[0].url == CHAT)
     if len(parts) > 1:
         out["choices"] = [dict(c, index=k) for k, c in enumerate(c for p in parts for c in p["choices"])]
         out["usage"] = _usage(p["usage"] for p in parts)
@@ -65,7 +72,7 @@ class Chunks:
     def __init__(self, plan: Plan, chat: bool, model: str, created: int, include_usage: bool):
         self.plan, self.chat, self.model, self.created = plan, chat, model, created
         self.include_usage = include_usage
-        self.id = ("chatcmpl-" if chat else "cmpl-") + plan.request_id
+        self.id = response_id(plan, chat)
         self.prompt_tokens: dict[int, int] = {}  # prompt -> tokens (counted once for its n choices)
         self.cached_tokens: dict[int, int] = {}
         self.completion_tokens = 0

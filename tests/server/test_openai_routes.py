@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 
 import jsonschema
@@ -74,6 +75,9 @@ def test_chat_streams_server_sent_events(server):
     chunks = list(stream)
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert len({c.id for c in chunks}) == 1
+    # One id shape, streamed or not, and each request its own id.
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{32}", whole.id) and re.fullmatch(r"chatcmpl-[0-9a-f]{32}", chunks[0].id)
+    assert whole.id != chunks[0].id
     first = chunks[0]
     assert [(c.index, c.delta.role) for c in first.choices] == [(0, "assistant"), (1, "assistant")]
     text = {0: "", 1: ""}
