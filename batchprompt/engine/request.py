@@ -39,6 +39,9 @@ class Request:
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     error: str | None = None
     stop_text_len: int | None = None  # output text is cut here when a stop string matched
+    # A stop string counts only where it ends past this many characters of the output text:
+    # the text of the first min_tokens tokens (vLLM's rule).
+    stop_floor: int = 0
     first_token_time: float | None = None
     matcher: Any = None  # the grammar's state (llguidance LLMatcher) when params.grammar is set
     prompt_logprobs: dict[int, float] = field(default_factory=dict)  # prompt token index -> log-prob

@@ -14,13 +14,17 @@ def check_stop(req: Request, eos_token_ids: frozenset[int], max_model_len: int, 
         return "stop"
     if p.stop and tokenizer is not None:
         text = tokenizer.decode(req.output_token_ids)
-        # Only the tail can hold a new match: what came before was checked at earlier steps.
-        tail_from = max(0, len(text) - max(len(s) for s in p.stop) - 16)
-        hits = [(i, i + len(s)) for i, s in ((text.find(s, tail_from), s) for s in p.stop) if i >= 0]
-        if hits:
-            start, end = min(hits)
-            req.stop_text_len = end if p.include_stop_str_in_output else start
-            return "stop"
+        if len(req.output_token_ids) == p.min_tokens:  # as vLLM: a stop string counts once it ends after these tokens
+            req.stop_floor = len(text.rstrip("\ufffd"))
+        else:
+            # Only the tail can hold a new match: what came before was checked at earlier steps.
+            tail_from = max(0, len(text) - max(len(s) for s in p.stop) - 16)
+            hits = [(i, i + len(s)) for i, s in ((text.find(s, max(tail_from, req.stop_floor - len(s) + 1)), s)
+                                                 for s in p.stop) if i >= 0]
+            if hits:
+                start, end = min(hits)
+                req.stop_text_len = end if p.include_stop_str_in_output else start
+                return "stop"
     if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= max_model_len:
         return "length"
     return None

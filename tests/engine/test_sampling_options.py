@@ -98,6 +98,18 @@ def test_min_tokens_defers_stop_tokens_and_strings():
     assert check_stop(req, frozenset({1}), 100, CharTokenizer()) is None
 
 
+def test_a_stop_string_inside_min_tokens_never_counts():
+    """As vLLM: a stop string counts only where it ends after the first min_tokens tokens'
+    text, so the output is never cut back into them."""
+    req = Request("r", [0], SamplingParams(stop=("b",), min_tokens=3))
+    for t in (0, 1, 2, 3):  # "abcd": the "b" is inside the first 3 tokens
+        req.append_token(t, None)
+        assert check_stop(req, frozenset(), 100, CharTokenizer()) is None
+    req.append_token(1, None)  # "abcdb"
+    assert check_stop(req, frozenset(), 100, CharTokenizer()) == "stop"
+    assert req.stop_text_len == 4
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"presence_penalty": 2.5}, r"presence_penalty must be a number from -2 to 2"),
     ({"frequency_penalty": float("nan")}, r"frequency_penalty must be a number from -2 to 2"),
