@@ -30,7 +30,7 @@ def to_result(index: int, out: RequestOutput, spec: OutputSpec | None = None) ->
         logprobs=out.logprobs, top_logprobs=out.top_logprobs, token_ids=out.output_token_ids,
         retryable=out.retryable,
     )
-    return spec.finish(result, out.choice_logprobs) if spec is not None else result
+    return spec.finish(result, out.choice_logprobs, out.grammar_complete) if spec is not None else result
 
 
 def check_errors(results: list[Result], errors: str) -> list[Result]:

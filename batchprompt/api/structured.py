@@ -80,9 +80,11 @@ class OutputSpec:
         # A label that is a prefix of another ends with EOS, within the longest label's length.
         return replace(params, grammar=Grammar.choices(self.labels, ids), max_tokens=len(ids[longest]))
 
-    def finish(self, result: Result, choice_logprobs: list[float] | None = None) -> Result:
+    def finish(self, result: Result, choice_logprobs: list[float] | None = None, complete: bool = False) -> Result:
         """Check and parse a finished result: a label with its probabilities, parsed JSON, or a
-        clear error when the output was cut before it completed its grammar."""
+        clear error when the output was cut before it completed its grammar. `complete`: the
+        engine found the output a whole match (max_tokens may cut one that could go on: "a+"
+        after "aaaa" is a match, kept with finish_reason "length", as vLLM keeps it)."""
         if result.error is not None:
             return result
         if self.labels and choice_logprobs is not None:
@@ -92,10 +94,9 @@ class OutputSpec:
             probs = {label: w / total for label, w in zip(self.labels, weights)}
             best = max(range(len(self.labels)), key=choice_logprobs.__getitem__)
             return replace(result, text=self.labels[best], choice_probs=probs)
-        if result.finish_reason == "length":
-            kind = "choices" if self.labels else self.grammar.kind
-            return replace(result, error=f"the output reached max_tokens ({result.usage.completion_tokens}) "
-                                         f"before it completed the {kind}: raise max_tokens")
+        cut = result.finish_reason == "length" and not complete
+        if cut and not (self.grammar is not None and self.grammar.is_json):
+            return self._cut(result)
         if self.labels:
             return result
         if self.grammar.is_json:
@@ -103,9 +104,16 @@ class OutputSpec:
                 parsed = (self.model_class.model_validate_json(result.text) if self.model_class is not None
                           else json.loads(result.text))
             except ValueError as e:  # json.JSONDecodeError and pydantic's ValidationError
-                return replace(result, error=f"the output does not parse as the schema asks: {e}")
+                # A remote server cannot say whether a cut output is complete: it is if it parses.
+                return self._cut(result) if cut else replace(
+                    result, error=f"the output does not parse as the schema asks: {e}")
             return replace(result, parsed=parsed)
         return result
+
+    def _cut(self, result: Result) -> Result:
+        kind = "choices" if self.labels else self.grammar.kind
+        return replace(result, error=f"the output reached max_tokens ({result.usage.completion_tokens}) "
+                                     f"before it completed the {kind}: raise max_tokens")
 
 
 def _from_response_format(fmt: Any, json_schema: Any) -> Any:

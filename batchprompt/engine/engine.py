@@ -483,6 +483,8 @@ class LLMEngine:
             num_cached_tokens=cached, num_preemptions=req.num_preemptions,
             prompt_logprobs=self._prompt_logprobs(req),
             choice_logprobs=list(req.choice_logprobs) if req.params.score_choices and req.error is None else None,
+            grammar_complete=(req.matcher is not None and req.error is None and not req.matcher.is_error()
+                              and req.matcher.is_accepting()),
         )
 
     @staticmethod

@@ -31,6 +31,10 @@ class RequestOutput:
     # Not run to its end for a reason not its own (the backend stopped, no endpoint of a pool
     # answered): sent again, it may well succeed. A job journals no such request.
     retryable: bool = False
+    # A constrained output (params.grammar) that is a whole match of its grammar: also one that
+    # max_tokens cut where the grammar could end ("a+" cut after "aaaa"). False otherwise, and
+    # from backends that cannot tell (a remote server).
+    grammar_complete: bool = False
 
     @property
     def ok(self) -> bool:

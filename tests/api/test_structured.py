@@ -161,6 +161,29 @@ def test_output_cut_by_max_tokens_is_a_clear_error(lm, messages):
     assert not r.ok and "raise max_tokens" in r.error and r.text  # the partial text is kept
 
 
+@pytest.mark.parametrize("option", [{"regex": "a+"}, {"json_schema": {"type": "integer"}}])
+def test_an_output_that_is_already_a_match_when_max_tokens_cuts_it_is_kept(lm, option):
+    """"a+" cut after 4 tokens of a's, or an integer cut after 4 digits, is a whole match that
+    could have gone on: finish_reason "length" and no error, as vLLM returns it."""
+    r = lm.batch_prompt(["Write the letter a many times, nothing else."], max_tokens=4, **option)[0]
+    assert r.finish_reason == "length" and r.ok, r.error
+    if "regex" in option:
+        assert re.fullmatch("a+", r.text)
+    else:
+        assert isinstance(r.parsed, int) and str(r.parsed) == r.text
+
+
+def test_a_cut_output_from_a_backend_that_cannot_tell_is_complete_only_if_json_parses():
+    """A remote server's output cut by max_tokens says nothing of its grammar: a JSON one is
+    kept if it parses, anything else is the clear error."""
+    json_spec = OutputSpec.from_options(json_schema={"type": "integer"})
+    ok = json_spec.finish(bp.Result(0, "1234", "length"))
+    assert ok.ok and ok.parsed == 1234
+    assert "raise max_tokens" in json_spec.finish(bp.Result(0, '{"a": 1', "length")).error
+    assert "raise max_tokens" in OutputSpec.from_options(regex="a+").finish(bp.Result(0, "aaa", "length")).error
+    assert OutputSpec.from_options(regex="a+").finish(bp.Result(0, "aaa", "length"), complete=True).ok
+
+
 def test_bad_structured_options_are_clear_errors(lm, messages):
     with pytest.raises(ValueError, match="one structured-output option"):
         lm.batch_prompt(messages[:1], choices=["a", "b"], regex="a")
