@@ -122,6 +122,9 @@ def fingerprint(raw: bytes, opts: JobOptions) -> str:
 def check_writable(path: str) -> None:
     if path == "-":
         return
+    if Path(path).is_dir():
+        raise InputError(f"{path}: cannot write the output there: it is a folder; give a file name, "
+                         f"such as {Path(path) / 'output.jsonl'}")
     parent = Path(path).resolve().parent
     if not parent.is_dir():
         raise InputError(f"{path}: cannot write the output there: the folder {parent} does not exist")

@@ -51,6 +51,10 @@ def test_missing_input_unwritable_output_unknown_model(tmp_path, capsys):
     inp.write_text('{"prompt": "hi"}\n')
     assert main(["run", str(inp), "-o", str(tmp_path / "no" / "dir" / "o.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "folder").mkdir()  # a folder as the output: refused before the model loads, no journal left
+    assert main(["run", str(inp), "-o", str(tmp_path / "folder")]) == 2
+    assert "it is a folder; give a file name" in capsys.readouterr().err
+    assert not (tmp_path / "folder.journal").exists()
     assert main(["run", str(inp), "-o", str(tmp_path / "o.jsonl"), "--model", "no-such-model"]) == 2
     assert "unknown model 'no-such-model'" in capsys.readouterr().err
     assert main(["run", str(inp), "-o", str(tmp_path / "o.jsonl"), "--max-tokens", "0"]) == 2
