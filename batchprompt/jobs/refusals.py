@@ -14,7 +14,27 @@ _NOOP = {
     "use_beam_search": lambda v: not v,
     "prompt_logprobs": lambda v: v is None,
     "guided_whitespace_pattern": lambda v: v is None,  # JSON here is always compact
+    # vLLM's fields that change the prompt or the output, unless left at their default
+    "truncate_prompt_tokens": lambda v: v is None,
+    "allowed_token_ids": lambda v: v is None,
+    "bad_words": lambda v: not v,
+    "chat_template": lambda v: v is None,
+    "documents": lambda v: not v,
+    "skip_special_tokens": lambda v: v in (None, True),
+    "return_tokens_as_token_ids": lambda v: not v,
+    # OpenAI's: audio output and web search
+    "audio": lambda v: v is None,
+    "modalities": lambda v: v in (None, ["text"]),
+    "web_search_options": lambda v: v is None,
 }
+
+#: vLLM's chat-template fields, which `chat_template_options` hands to the chat template.
+TEMPLATE_FLAGS = ("add_generation_prompt", "continue_final_message", "add_special_tokens")
+#: apply_chat_template's own arguments: never a template variable from a body.
+_RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                             "add_generation_prompt", "continue_final_message", "padding", "truncation",
+                             "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                             "tokenizer_kwargs"}
 
 
 class Refused(ValueError):
@@ -31,6 +51,7 @@ def refuse_unsupported(body: dict) -> dict:
         if name in body and not noop(body[name]):
             raise Refused(f"{name}={body[name]!r}: batchprompt does not support it; leave it out",
                           "unsupported_parameter", name)
+    _check_template_fields(body)
     if body.get("best_of") is not None and body.get("best_of") == (body.get("n") or 1):
         # best_of = n picks all n: a no-op clients send, not the best-of-n search (which needs n = 1).
         body = {k: v for k, v in body.items() if k != "best_of"}
@@ -57,3 +78,32 @@ def asked_max_tokens(body: dict, params) -> int | None:
     """`params.max_tokens` where the body gives its own max_tokens (or max_completion_tokens),
     None where it gives none (a default applies, cut at the context's end)."""
     return params.max_tokens if body.get("max_completion_tokens", body.get("max_tokens")) is not None else None
+
+
+def _check_template_fields(body: dict) -> None:
+    for name in TEMPLATE_FLAGS:
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise Refused(f"{name} must be true or false, got {body[name]!r}", "invalid_value", name)
+    if body.get("add_generation_prompt") and body.get("continue_final_message"):
+        raise Refused("continue_final_message continues the last message, add_generation_prompt opens a new "
+                      "one: set add_generation_prompt to false", "invalid_value", "continue_final_message")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict):
+        raise Refused(f"chat_template_kwargs must be an object of template variables, got {kwargs!r}",
+                      "invalid_value", "chat_template_kwargs")
+    reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise Refused(f"chat_template_kwargs may not set {', '.join(reserved)}: give "
+                      f"{'them' if len(reserved) > 1 else 'it'} as a body field, or leave "
+                      f"{'them' if len(reserved) > 1 else 'it'} out", "invalid_value", "chat_template_kwargs")
+
+
+def chat_template_options(body: dict) -> dict:
+    """A checked body's chat-template options, as Tokenizer.encode_prompt takes them (vLLM's
+    defaults: the assistant's turn opened, nothing more added to what the template writes)."""
+    return {"add_generation_prompt": body.get("add_generation_prompt", True) is not False,
+            "continue_final_message": bool(body.get("continue_final_message")),
+            "add_special_tokens": bool(body.get("add_special_tokens")),
+            "template_kwargs": body.get("chat_template_kwargs") or {}}

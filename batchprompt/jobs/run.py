@@ -271,8 +271,8 @@ def render(row: Row, tokenizer, system: str | None) -> list[int]:
     """Chat rows through the chat template (with `system` when they have none); completion
     rows as raw text."""
     if row.url == CHAT:
-        return tokenizer.encode_prompt(row.messages, system)
-    return tokenizer.encode(row.prompt)
+        return tokenizer.encode_prompt(row.messages, system, **refusals.chat_template_options(row.body))
+    return tokenizer.encode(row.prompt, add_special_tokens=row.body.get("add_special_tokens", True) is not False)
 
 
 class JobRun:

@@ -68,22 +68,32 @@ class Tokenizer:
         with self._lock:
             return self.hf.decode(list(ids), skip_special_tokens=True)
 
-    def render(self, prompt: str | Sequence[Message], system: str | None = None) -> str:
+    def render(self, prompt: str | Sequence[Message], system: str | None = None, *,
+               add_generation_prompt: bool = True, continue_final_message: bool = False,
+               template_kwargs: dict | None = None) -> str:
         """The text the model sees: chat messages through the template, ending with the
-        assistant's turn opened. Without a chat template, messages are joined as plain text."""
+        assistant's turn opened (or, continue_final_message, the last message left open, as
+        vLLM's request fields ask); `template_kwargs` are the template's own variables. Without
+        a chat template, messages are joined as plain text."""
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if system is not None and not (messages and messages[0].get("role") == "system"):
             messages.insert(0, {"role": "system", "content": system})
         if not self.has_chat_template:
             return "\n".join(m["content"] for m in messages)
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message, **(template_kwargs or {}))
 
-    def encode_prompt(self, prompt: str | Sequence[Message], system: str | None = None) -> list[int]:
+    def encode_prompt(self, prompt: str | Sequence[Message], system: str | None = None, *,
+                      add_generation_prompt: bool = True, continue_final_message: bool = False,
+                      add_special_tokens: bool = False, template_kwargs: dict | None = None) -> list[int]:
         """The rendered prompt's tokens. A chat template writes every special token itself (the
-        BOS too, where the model wants one), so nothing is added: the tokens equal
-        `apply_chat_template(..., tokenize=True)`'s and a template's BOS is never doubled.
-        Without a template the joined text is a raw prompt and gets what `encode` adds."""
-        return self.encode(self.render(prompt, system), add_special_tokens=not self.has_chat_template)
+        BOS too, where the model wants one), so nothing is added (unless add_special_tokens, as
+        vLLM's field asks): the tokens equal `apply_chat_template(..., tokenize=True)`'s and a
+        template's BOS is never doubled. Without a template the joined text is a raw prompt and
+        gets what `encode` adds."""
+        text = self.render(prompt, system, add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+        return self.encode(text, add_special_tokens=add_special_tokens or not self.has_chat_template)
 
 
 def _check_unicode(text: str) -> None:

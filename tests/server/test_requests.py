@@ -27,6 +27,17 @@ def tokenizer():
     ({"max_tokens": 9000}, "max_tokens"),
     ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, "guided_regex"),  # guided_regex won, silently
     ({"guided_json": {"type": "object"}, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),  # ignored
+    # vLLM fields that change the prompt or the output were accepted and ignored
+    ({"bad_words": ["Hello"]}, "bad_words"),
+    ({"allowed_token_ids": [28, 29]}, "allowed_token_ids"),
+    ({"truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
+    ({"chat_template": "{{ messages }}"}, "chat_template"),
+    ({"skip_special_tokens": False}, "skip_special_tokens"),
+    ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+    ({"add_generation_prompt": "yes"}, "add_generation_prompt"),
+    ({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
+    ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
 ])
 def test_a_chat_refusal_names_the_field(tokenizer, body, param):
     with pytest.raises(ApiError) as e:
@@ -45,3 +56,24 @@ def test_structured_outputs_json_object_asks_for_a_json_object(tokenizer):
     plan = plan_chat({"messages": M, "structured_outputs": {"json_object": True, "disable_fallback": True}},
                      tokenizer, 8192)
     assert plan.prepared[0].params.grammar.kind == "json_object"
+
+
+def test_chat_template_fields_change_the_prompt_as_in_vllm(tokenizer):
+    """add_generation_prompt, continue_final_message, add_special_tokens and chat_template_kwargs
+    reach the chat template (they were accepted and ignored)."""
+    def ids(**fields):
+        return plan_chat({"messages": M + [{"role": "assistant", "content": "Hel"}], **fields},
+                         tokenizer, 8192).prepared[0].token_ids
+
+    hf = tokenizer.hf
+    msgs = M + [{"role": "assistant", "content": "Hel"}]
+    opened = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert ids() == hf.encode(opened, add_special_tokens=False)
+    closed = hf.apply_chat_template(msgs, add_generation_prompt=False, tokenize=False)
+    assert ids(add_generation_prompt=False) == hf.encode(closed, add_special_tokens=False)
+    continued = hf.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True, tokenize=False)
+    assert continued.endswith("Hel")
+    assert ids(add_generation_prompt=False, continue_final_message=True) == hf.encode(continued, add_special_tokens=False)
+    assert ids(chat_template_kwargs={"enable_thinking": False}) == ids()  # a variable this template does not read
+    completion = plan_completion({"prompt": "Hello", "add_special_tokens": False}, tokenizer, 8192)
+    assert completion.prepared[0].token_ids == hf.encode("Hello", add_special_tokens=False)
