@@ -65,7 +65,7 @@ class ChatRequest(_OpenAIBody):
 
 class CompletionRequest(_OpenAIBody):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: bool | int | None = None  # k top tokens; true/false as a Batch API row takes them
     echo: bool | None = None
 
 
