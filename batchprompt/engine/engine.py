@@ -52,7 +52,12 @@ class LLMEngine:
                              f"block_size is {config.block_size}: build both from the same config")
         self.runner, self.model, self.tokenizer = runner, runner.model, tokenizer
         args = self.model.args
-        self.max_model_len = min(config.max_model_len or args.max_position, args.max_position)
+        if config.max_model_len is not None and config.max_model_len > args.max_position:
+            # As vLLM: positions past what the model was trained for would give garbage, not an error.
+            raise ValueError(f"max_model_len {config.max_model_len} is longer than the model's context of "
+                             f"{args.max_position} tokens: give at most {args.max_position}, or leave it out "
+                             f"for the model's own")
+        self.max_model_len = config.max_model_len or args.max_position
         max_blocks = runner.max_blocks
         self.pool = BlockPool(max_blocks)
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching,

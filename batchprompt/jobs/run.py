@@ -237,7 +237,7 @@ def row_params(row: Row, opts: JobOptions) -> tuple[SamplingParams, int]:
     extra = {k: b[k] for k in SAMPLING_FIELDS if b.get(k) is not None}
     best_of = extra.get("best_of")
     if isinstance(best_of, int) and best_of > 1 and n > 1:
-        raise ValueError(f"best_of with n > 1 is not supported by batchprompt run: give n alone, or best_of "
+        raise ValueError(f"best_of with n > 1 is not supported by batchprompt: give n alone, or best_of "
                          f"with n = 1 (got n={n}, best_of={extra['best_of']})")
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=_given(b.get("top_p"), 1.0),

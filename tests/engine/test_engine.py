@@ -95,6 +95,15 @@ def test_bad_requests_fail_alone(tiny_model):
     assert all(len(o.output_token_ids) == 12 for o in outs if o.ok)
 
 
+def test_a_max_model_len_past_the_models_context_is_refused(tiny_model):
+    """As vLLM refuses it; it was cut to the model's context without a word."""
+    longest = tiny_model.args.max_position
+    assert engine(tiny_model, max_model_len=longest).max_model_len == longest
+    with pytest.raises(ValueError, match=f"max_model_len {longest + 1} is longer than the model's context of "
+                                         f"{longest} tokens: give at most {longest}"):
+        engine(tiny_model, max_model_len=longest + 1)
+
+
 def test_stop_token_ids_and_max_tokens(tiny_model):
     p = prompts(1)[0]
     free = engine(tiny_model).generate([p], GREEDY)[0].output_token_ids
