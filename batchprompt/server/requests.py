@@ -121,7 +121,7 @@ def _row(url: str, body: dict, rid: str) -> Row:
     row = job_rows.row_from_body(1, rid, url, body)
     if isinstance(row, RowError):
         message = row.message.removeprefix("line 1: ")
-        param = _param_named(message, body)
+        param = param_named(message, body)
         code = "invalid_parameter" if param is not None and row.code == "invalid_request" else row.code
         raise ApiError(400, message, code, param)
     return row
@@ -134,7 +134,7 @@ def _params(row: Row, opts: JobOptions, tokenizer):
         if spec is not None:
             params = spec.sampling_params(params, tokenizer)
     except (TypeError, ValueError) as e:
-        raise ApiError(400, str(e), "invalid_parameter", _param_named(str(e), row.body)) from None
+        raise ApiError(400, str(e), "invalid_parameter", param_named(str(e), row.body)) from None
     return params, n, spec
 
 
@@ -144,7 +144,7 @@ STRUCTURED_FIELDS = ("structured_outputs", "response_format", "guided_choice", "
 STRUCTURED_WORDS = ("choices", "regex", "grammar", "json_schema", "give")
 
 
-def _param_named(message: str, body: dict) -> str | None:
+def param_named(message: str, body: dict) -> str | None:
     """The body field an error message is about (they start with its name: "top_p must be ...";
     a structured-output error names the option, which the body gave in one of its fields),
     for the error's `param`, as OpenAI fills it."""

@@ -91,19 +91,22 @@ def test_sync_takes_the_batch_apis_structured_options(server):
     assert all(abs(sum(x["choice_probs"].values()) - 1) < 1e-6 for x in results)
 
 
-@pytest.mark.parametrize("body, status", [
-    ({"prompts": ["x"], "colour": "red"}, 400),  # not an option of the batch API
-    ({"prompts": ["x"], "max_tokens": 0}, 400),
-    ({"prompts": "x"}, 422),
-    ({"prompts": ["x"], "model": "other"}, 404),
-    ({"prompts": ["x"], "callback_url": "ftp://example.com/x"}, 400),
-    ({"prompts": ["x"], "callback_url": "not a url"}, 400),
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompts": ["x"], "colour": "red"}, 400, None),  # not an option of the batch API
+    ({"prompts": ["x"], "max_tokens": 0}, 400, "max_tokens"),  # param was null
+    ({"prompts": ["x"], "regex": "("}, 400, "regex"),
+    ({"prompts": "x"}, 422, None),
+    ({"prompts": ["x"], "model": "other"}, 404, None),
+    ({"prompts": ["x"], "callback_url": "ftp://example.com/x"}, 400, None),
+    ({"prompts": ["x"], "callback_url": "not a url"}, 400, None),
 ])
-def test_batch_request_errors(server, body, status):
+def test_batch_request_errors(server, body, status, param):
     with server.client() as c:
         r = c.post("/v1/batch/async" if "callback_url" in body else "/v1/batch/sync", json=body)
     assert r.status_code == status, r.text
-    error_of(r)
+    error = error_of(r)
+    if param is not None:
+        assert error["param"] == param, error
 
 
 def test_async_batch_reports_progress_and_posts_its_results_to_the_webhook(server, receiver):
