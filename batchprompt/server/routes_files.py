@@ -39,6 +39,10 @@ async def upload(request: Request) -> dict:
         raise ApiError(CLIENT_GONE, "the client went away while sending the file", "client_disconnected") from None
     try:
         upload = form.get("file")
+        if isinstance(upload, str):  # a part without a filename is a text field to multipart
+            raise ApiError(400, "the file part has no filename, so it arrived as a text field: give it a filename "
+                                "(client.files.create(file=('requests.jsonl', data), purpose='batch'), or curl's "
+                                "-F file=@requests.jsonl)", "missing_file", "file")
         if not isinstance(upload, UploadFile):
             raise ApiError(400, "send the file as multipart/form-data, in a field named file, with purpose=batch "
                                 "(client.files.create(file=open(path, 'rb'), purpose='batch'))", "missing_file", "file")

@@ -138,6 +138,8 @@ def test_upload_errors(server, client):
         assert error_of(r)["message"].startswith("purpose is required") and error_of(r)["param"] == "purpose"
         r = c.post("/v1/files", json={"purpose": "batch"})  # not multipart
         assert r.status_code == 400 and error_of(r)["code"] == "missing_file"
+        r = c.post("/v1/files", files={"file": ("", b"{}\n")}, data={"purpose": "batch"})  # no filename
+        assert r.status_code == 400 and "has no filename" in error_of(r)["message"], r.text
         r = c.post("/v1/files", content=b"--x\r\nbroken", headers={"Content-Type": "multipart/form-data; boundary=x"})
         assert 400 <= r.status_code < 500, r.text
         error_of(r)
