@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..api.result import Result
@@ -19,10 +20,25 @@ def _id(prefix: str, job: str, custom_id: str | None, line: int) -> str:
     return prefix + hashlib.sha256(key).hexdigest()[:24]
 
 
+@dataclass(frozen=True)
+class TokenPieces:
+    """How a token reads in log-probs: its text, and its bytes (OpenAI's `bytes`, with which a
+    client rebuilds a character split across tokens; such a token's text is U+FFFD). Without
+    `bytes`, the text's own UTF-8."""
+
+    text: Callable[[int], str]
+    bytes: Callable[[int], bytes] | None = None
+
+    @classmethod
+    def of(cls, tokenizer) -> "TokenPieces":
+        return cls(lambda t: tokenizer.decode([t]), getattr(tokenizer, "token_bytes", None))
+
+
 def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
-                  token_text: Callable[[int], str], job: str = "") -> dict[str, Any]:
+                  token_text: Callable[[int], str] | TokenPieces, job: str = "") -> dict[str, Any]:
     """The body OpenAI would return for this row (one Result per choice, n of them); `job`
-    scopes its id (see _id)."""
+    scopes its id (see _id). `token_text`: how a token reads (a TokenPieces, or its text alone)."""
+    pieces = token_text if isinstance(token_text, TokenPieces) else TokenPieces(token_text)
     prompt_tokens = choices[0].usage.prompt_tokens
     completion = sum(r.usage.completion_tokens for r in choices)
     cached = choices[0].usage.cached_tokens
@@ -38,8 +54,8 @@ def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
             if r.logprobs is not None:
                 tops = _tops(r)
                 choice["logprobs"] = {"content": [
-                    {**_chat_token(tid, lp, token_text),
-                     "top_logprobs": [_chat_token(t, v, token_text) for t, v in (tops[i] if tops else ())]}
+                    {**_chat_token(tid, lp, pieces),
+                     "top_logprobs": [_chat_token(t, v, pieces) for t, v in (tops[i] if tops else ())]}
                     for i, (tid, lp) in enumerate(zip(r.token_ids, r.logprobs))], "refusal": None}
             out.append(choice)
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
@@ -48,13 +64,13 @@ def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
     for i, r in enumerate(choices):
         choice = {"index": i, "text": r.text, "finish_reason": FINISH.get(r.finish_reason, "stop"), "logprobs": None}
         if r.logprobs is not None:
-            tokens = [token_text(t) for t in r.token_ids]
+            tokens = [pieces.text(t) for t in r.token_ids]
             offsets, pos = [], 0
             for t in tokens:
                 offsets.append(pos)
                 pos += len(t)
             tops = _tops(r)
-            top = None if tops is None else [{token_text(t): v for t, v in pos} for pos in tops]
+            top = None if tops is None else [{pieces.text(t): v for t, v in pos} for pos in tops]
             choice["logprobs"] = {"tokens": tokens, "token_logprobs": list(r.logprobs),
                                   "top_logprobs": top, "text_offset": offsets}
         out.append(choice)
@@ -62,9 +78,10 @@ def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
             "choices": out, "usage": usage}
 
 
-def _chat_token(tid: int, logprob: float, token_text: Callable[[int], str]) -> dict[str, Any]:
-    t = token_text(tid)
-    return {"token": t, "logprob": logprob, "bytes": list(t.encode("utf-8", "surrogatepass"))}
+def _chat_token(tid: int, logprob: float, pieces: TokenPieces) -> dict[str, Any]:
+    t = pieces.text(tid)
+    raw = pieces.bytes(tid) if pieces.bytes is not None else t.encode("utf-8", "surrogatepass")
+    return {"token": t, "logprob": logprob, "bytes": list(raw)}
 
 
 def _tops(r: Result) -> list[list[tuple[int, float]]] | None:

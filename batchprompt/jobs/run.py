@@ -465,7 +465,7 @@ class JobRun:
         batch = Batch(service, items)
         created = openai_io.now()
         tok = service.tokenizer
-        token_text = lambda t: tok.decode([t])  # noqa: E731
+        token_text = openai_io.TokenPieces.of(tok)
         t0 = time.perf_counter()
         interrupted_by = 0
         try:

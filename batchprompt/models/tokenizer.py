@@ -31,6 +31,8 @@ class Tokenizer:
         # Callers' threads encode while the engine thread decodes; the Rust tokenizer may not
         # be entered from two threads at once ("Already borrowed"), so calls take turns.
         self._lock = threading.Lock()
+        self._byte_decoder: dict[str, int] | None = None  # token_bytes': made on first use
+        self._special_ids: frozenset[int] = frozenset()
 
     @classmethod
     def load(cls, source: ModelSource, extra_eos: Sequence[int] = ()) -> "Tokenizer":
@@ -68,6 +70,27 @@ class Tokenizer:
         with self._lock:
             return self.hf.decode(list(ids), skip_special_tokens=True)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, as OpenAI's log-prob `bytes` give them: a token that
+        holds part of a character (an emoji's first bytes) has its own bytes, where its text is
+        U+FFFD. Byte-level BPE (GPT-2, Llama 3, SmolLM) maps each byte to a character of its
+        pieces; SentencePiece writes a lone byte as <0xNN>; a special token is its (empty) text."""
+        if self._byte_decoder is None:
+            decoder = getattr(getattr(self.hf, "backend_tokenizer", None), "decoder", None)
+            self._byte_decoder = _byte_level_table() if "ByteLevel" in repr(decoder) else {}
+            self._special_ids = frozenset(getattr(self.hf, "all_special_ids", ()))
+        with self._lock:
+            piece = self.hf.convert_ids_to_tokens(token_id)
+        if token_id not in self._special_ids and isinstance(piece, str):
+            if self._byte_decoder and all(c in self._byte_decoder for c in piece):
+                return bytes(self._byte_decoder[c] for c in piece)
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+        return self.decode([token_id]).encode("utf-8", "surrogatepass")
+
     def render(self, prompt: str | Sequence[Message], system: str | None = None, *,
                add_generation_prompt: bool = True, continue_final_message: bool = False,
                template_kwargs: dict | None = None) -> str:
@@ -94,6 +117,13 @@ class Tokenizer:
         text = self.render(prompt, system, add_generation_prompt=add_generation_prompt,
                            continue_final_message=continue_final_message, template_kwargs=template_kwargs)
         return self.encode(text, add_special_tokens=add_special_tokens or not self.has_chat_template)
+
+
+def _byte_level_table() -> dict[str, int]:
+    """Byte-level BPE's character for each byte, reversed (GPT-2's bytes_to_unicode)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 def _check_unicode(text: str) -> None:

@@ -208,7 +208,7 @@ class BatchJob:
         self._engine_batch = batch = Batch(service, plan.items, priority=BULK)
         flusher = asyncio.ensure_future(self._flush_often(journal))
         try:
-            await self._collect(batch, plan, journal, lambda t: tokenizer.decode([t]))
+            await self._collect(batch, plan, journal, openai_io.TokenPieces.of(tokenizer))
         finally:
             flusher.cancel()
             await asyncio.shield(api.io(journal.flush))  # also when the server stops: what finished is kept

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from ..api.batch import Prepared
 from ..jobs import rows as job_rows
-from ..jobs import refusals
+from ..jobs import openai_io, refusals
 from ..jobs.rows import CHAT, COMPLETION, Row, RowError
 from ..jobs.run import JobOptions, render, row_params, row_spec
 from .errors import ApiError
@@ -33,7 +33,7 @@ class Plan:
     rows: list[Row]
     n: int
     prepared: list[Prepared]
-    token_text: Callable[[int], str]
+    token_text: Callable[[int], str] | openai_io.TokenPieces  # how a token reads in log-probs
     decode: Callable[[list[int]], str] | None = None  # a choice's tokens as text (streaming)
 
 
@@ -183,5 +183,5 @@ def _choices(all_ids: list[list[int]], params, n: int, spec) -> list[Prepared]:
     return out
 
 
-def _token_text(tokenizer) -> Callable[[int], str]:
-    return lambda t: tokenizer.decode([t])
+def _token_text(tokenizer) -> openai_io.TokenPieces:
+    return openai_io.TokenPieces.of(tokenizer)

@@ -107,3 +107,17 @@ def test_a_lone_surrogate_is_named_not_the_tokenizers_type_error():
         with pytest.raises(ValueError, match=r"lone surrogate '\\ud[c8]00', which is not valid Unicode"):
             encode()
     assert tok.encode("a pair \U0001F600 is fine")
+
+
+def test_token_bytes_rebuild_a_character_split_across_tokens():
+    """OpenAI's log-prob `bytes`: the embedded (byte-level BPE) tokenizer splits an emoji into
+    tokens whose text is U+FFFD each; their bytes join back into the text. A special token's
+    bytes are its text's (none: decoding leaves it out)."""
+    from batchprompt.remote.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("smollm2-135m")[0]
+    text = "🎉🌟 hi é"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert "\ufffd" in tok.decode(ids[:1])  # the emoji's first token is part of a character
+    assert b"".join(tok.token_bytes(t) for t in ids) == text.encode()
+    assert tok.token_bytes(tok.hf.convert_tokens_to_ids("<|im_end|>")) == b""

@@ -66,6 +66,17 @@ def test_chat_completion(server):
     assert "".join(t.token for t in choice.logprobs.content).strip() == choice.message.content.strip()
 
 
+def test_logprob_bytes_rebuild_the_content(server):
+    """Each token's `bytes` are its own, so that a character split across tokens (an emoji,
+    whose token texts are U+FFFD) comes back whole when they are joined, as OpenAI's do."""
+    out = server.openai().chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": "Reply with three emojis only: 🎉🌟😀"}],
+        max_tokens=8, temperature=0, logprobs=True)
+    choice = out.choices[0]
+    joined = b"".join(bytes(t.bytes) for t in choice.logprobs.content)
+    assert joined.decode("utf-8", "replace").rstrip("\ufffd") == choice.message.content
+
+
 def test_chat_streams_server_sent_events(server):
     client = server.openai()
     messages = [{"role": "user", "content": "Say hello."}]
