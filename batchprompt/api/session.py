@@ -61,6 +61,10 @@ class LanguageModel:
         directory or hub id; an LLMEngine; or a `bp.EndpointPool` of remote servers). One engine
         per model serves the whole process. With `cluster=bp.RayCluster(...)` the model runs as
         engine replicas on Ray instead."""
+        if isinstance(initial_prompts, (str, dict)):
+            raise ValueError(f"initial_prompts is a list of messages ({{'role': ..., 'content': ...}}), got "
+                             f"{type(initial_prompts).__name__} {initial_prompts!r:.60}; for one system prompt, "
+                             f"give system=...")
         initial = _check_messages(list(initial_prompts or []), "initial_prompts")
         if system is not None:
             if initial and initial[0]["role"] == "system":

@@ -66,8 +66,10 @@ class SamplingParams:
     best_of: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
+        if self.stop is None or isinstance(self.stop, str):  # None: OpenAI's null
+            object.__setattr__(self, "stop", () if self.stop is None else (self.stop,))
+        _check(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop),
+               f"stop must be a string or a list of strings, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(self.stop))
         _check(isinstance(self.stop_token_ids, (list, tuple))
                and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),

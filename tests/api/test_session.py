@@ -74,6 +74,10 @@ def test_initial_prompts_and_message_prompts(engine32):
         assert ref.system == "Answer in French."
     with pytest.raises(ValueError, match="not both"):
         bp.LanguageModel.create(system="a", initial_prompts=shots, model=engine32)
+    # a string was read as a list of one-letter messages ("message 0 ... got 'h'")
+    with pytest.raises(ValueError, match=r"initial_prompts is a list of messages .* got str 'hello'; for one "
+                                         r"system prompt, give system="):
+        bp.LanguageModel.create(initial_prompts="hello", model=engine32)
 
 
 def test_options_per_session_and_per_call(lm, messages):

@@ -121,6 +121,8 @@ def test_a_stop_string_inside_min_tokens_never_counts():
     ({"logit_bias": {5: 101}}, r"logit_bias values must be numbers from -100 to 100"),
     ({"n": 0}, r"n must be an integer >= 1"),
     ({"n": 3, "best_of": 2}, r"best_of must be an integer >= n \(3\)"),
+    ({"stop": 5}, r"stop must be a string or a list of strings, got 5"),  # was a bare TypeError
+    ({"stop": ["a", 1]}, r"stop must be a string or a list of strings"),
 ])
 def test_bad_options_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
