@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable
@@ -118,14 +119,28 @@ class EndpointPool(SwarmMethods):
             except ValueError:
                 return spec, None, f"GET /v1/models did not answer JSON: {r.text[:200]!r}"
 
-        with ThreadPoolExecutor(max_workers=min(16, len(self.specs))) as ex:
-            answers = list(ex.map(ask, self.specs))
-        down = {spec.url: why for spec, data, why in answers if data is None}
-        up = [(spec, data) for spec, data, _ in answers if data is not None]
-        if not up:
-            detail = "; ".join(f"{u}: {w}" for u, w in down.items())
-            raise PoolError(f"none of the {len(self.specs)} endpoints answered GET /v1/models ({detail}); start the "
-                            f"servers, or check the hostfile's host:port lines")
+        # Servers still loading (a pool started beside them) get give_up_after seconds to answer,
+        # as work waits that long for an endpoint: the first that answers starts the pool.
+        deadline, wait, warned = time.monotonic() + self.give_up_after, min(1.0, self.backoff_s or 1.0), False
+        while True:
+            with ThreadPoolExecutor(max_workers=min(16, len(self.specs))) as ex:
+                answers = list(ex.map(ask, self.specs))
+            down = {spec.url: why for spec, data, why in answers if data is None}
+            up = [(spec, data) for spec, data, _ in answers if data is not None]
+            if up:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                detail = "; ".join(f"{u}: {w}" for u, w in down.items())
+                raise PoolError(f"none of the {len(self.specs)} endpoints answered GET /v1/models in "
+                                f"{self.give_up_after:g}s (give_up_after) ({detail}); start the servers, or check "
+                                f"the hostfile's host:port lines")
+            if not warned:
+                log.warning("none of the %d endpoints answers GET /v1/models yet: waiting up to %gs (give_up_after) "
+                            "for one", len(self.specs), self.give_up_after)
+                warned = True
+            time.sleep(min(wait, left))
+            wait = min(wait * 2, 10.0)
         served = {spec.url: served_models(data) for spec, data in up}
         if model is None:
             common = set.intersection(*(set(m) for m in served.values()))

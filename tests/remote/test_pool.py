@@ -98,11 +98,26 @@ def test_a_model_the_endpoints_do_not_serve_is_a_clear_error(two_servers):
         bp.EndpointPool([s.url for s in two_servers], model="llama-70b")
 
 
-def test_no_endpoint_answering_is_a_clear_error():
+def test_no_endpoint_answering_is_a_clear_error_after_give_up_after():
     from .fault_proxy import free_port
 
-    with pytest.raises(PoolError, match="none of the 2 endpoints answered GET /v1/models"):
-        bp.EndpointPool([f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"])
+    t0 = time.monotonic()
+    with pytest.raises(PoolError, match=r"none of the 2 endpoints answered GET /v1/models in 1s \(give_up_after\)"):
+        bp.EndpointPool([f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"], give_up_after=1)
+    assert 1 <= time.monotonic() - t0 < 30
+
+
+def test_a_pool_started_before_its_server_answers_waits_for_it(proxy):
+    """Servers still loading when the pool starts (started together): the pool waits up to
+    give_up_after for one to answer. It failed at once, though work waits that long."""
+    proxy.set_down(True)
+    threading.Timer(2.0, proxy.set_down, (False,)).start()
+    t0 = time.monotonic()
+    with pool_of([proxy.url], give_up_after=60) as pool:
+        assert time.monotonic() - t0 >= 1.5
+        lm = bp.LanguageModel.create(model=pool, max_tokens=2)
+        assert lm.batch_prompt(["1, 2, 3,"])[0].ok
+        lm.destroy()
 
 
 def test_bad_hostfile_names_the_line(tmp_path):
