@@ -9,6 +9,11 @@ class DeadlineExceeded(TimeoutError):
     """The item's deadline passed before its result was ready."""
 
 
+class Withdrawn(Exception):
+    """The item was taken off the queue unrun: its caller stopped waiting (an imap or aimap left
+    before its turn). Nobody reads it; it fills the slot so that nothing waits on it."""
+
+
 class BatchSizeMismatch(ValueError):
     """The function returned a different number of results than it was given items."""
 

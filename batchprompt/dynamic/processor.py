@@ -15,12 +15,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
-from .errors import BatchSizeMismatch, DeadlineExceeded, QueueFull, WorkerDied
-from .groups import _Group, _LoopBuffer, new_lock
+from .errors import BatchSizeMismatch, DeadlineExceeded, QueueFull, WorkerDied, Withdrawn
+from .groups import _Group, _LoopBuffer, hand_over, new_lock
 from .lengths import bucket_function, checked_length
-from .queue import RunQueue
+from .queue import ITEMS, GROUP, POS, RunQueue
 from .results import Failure, unwrap, value
 from .sizing import BatchSizer
 from .stats import BatchStats, StatsRecorder
@@ -137,6 +137,32 @@ class BatchProcessor(RunQueue, Worker):
         group.remaining = 1
         _spare.group = group  # not reached if the wait was interrupted: the group may still be queued
         return value(r)
+
+    def withdraw(self, groups: Iterable[_Group]) -> int:
+        """Take the items of `groups` that are still queued off the queue: their caller stopped
+        waiting (an imap left early), so running them would only delay other callers. Their
+        slots get a Withdrawn failure, so that nothing waits on them; items already in a batch
+        finish. Returns how many were taken off."""
+        groups = list(groups)
+        with self._cond:
+            runs = self._withdraw(set(map(id, groups)))
+        if not runs:
+            return 0
+        error = Withdrawn(f"{self.name}: taken off the queue unrun, its caller stopped waiting")
+        finished: list[_Group] = []
+        n = 0
+        with self._results_lock:
+            for run in runs:
+                k = len(run[ITEMS])
+                n += k
+                group, pos = run[GROUP], run[POS]
+                group.results[pos:pos + k] = [Failure(error)] * k
+                group.remaining -= k
+                if group.remaining == 0:
+                    finished.append(group)
+            self._stats.withdrawn += n
+        hand_over(finished)
+        return n
 
     def wait(self, group: _Group, timeout: float | None) -> list:
         if timeout is None:

@@ -212,6 +212,37 @@ class RunQueue:
             del self._buckets[chosen]
         return batch, len(batch), 0.0
 
+    def _withdraw(self, groups: set[int]) -> list[_Run]:
+        """Under the lock: take the queued runs of these groups (by id) off the queue."""
+        taken: list[_Run] = []
+        for key in list(self._keys):
+            q = self._queues[key]
+            if not any(id(run[GROUP]) in groups for run in q):
+                continue
+            kept = deque()
+            for run in q:
+                if id(run[GROUP]) not in groups:
+                    kept.append(run)
+                    continue
+                taken.append(run)
+                if self.length is not None:
+                    tally = self._buckets[key[2]]
+                    tally.remove(run[COST])
+                    if not tally.count:
+                        del self._buckets[key[2]]
+                elif self.cost is not None:
+                    self._queued_cost -= run[COST]
+            if kept:
+                self._queues[key] = kept
+            else:
+                del self._queues[key]
+                self._keys.remove(key)
+        if taken:
+            self._size -= sum(len(run[ITEMS]) for run in taken)
+            if self.max_queue is not None:
+                self._room.notify_all()
+        return taken
+
     def _drain(self) -> list[_Run]:
         """Under the lock: take every queued run (the worker failed; they are failed)."""
         runs = [run for key in self._keys for run in self._queues[key]]

@@ -23,6 +23,7 @@ class BatchStats:
     padding_efficiency: float | None = None  # real / padded tokens, when items have a length
     out_of_memory: int = 0  # batches that ran out of memory and were split
     workers_replaced: int = 0  # workers that died and were replaced
+    withdrawn: int = 0  # items taken off the queue unrun: their caller stopped waiting (an imap left early)
 
     def __str__(self) -> str:
         text = (f"{self.items} items in {self.batches} batches (mean {self.mean_batch_size:.1f}, size now "
@@ -35,6 +36,8 @@ class BatchStats:
             text += f", {self.out_of_memory} out-of-memory splits"
         if self.workers_replaced:
             text += f", {self.workers_replaced} workers replaced"
+        if self.withdrawn:
+            text += f", {self.withdrawn} withdrawn unrun"
         return text
 
 
@@ -48,7 +51,7 @@ class StatsRecorder:
 
     def __init__(self, window: int = 10_000):
         self.started = time.monotonic()
-        self.batches = self.items = self.errors = self.replaced = 0
+        self.batches = self.items = self.errors = self.replaced = self.withdrawn = 0
         self.wait_total = 0.0
         self.latencies: deque[float] = deque(maxlen=window)
         self.batch_times: deque[float] = deque(maxlen=1000)
@@ -75,4 +78,4 @@ class StatsRecorder:
             items_per_s=self.items / elapsed if elapsed > 0 else 0.0, errors=self.errors,
             batch_size=batch_size, p50_batch_ms=_percentile(times, 0.50), p99_batch_ms=_percentile(times, 0.99),
             padding_efficiency=self.real_tokens / self.padded_tokens if self.padded_tokens else None,
-            out_of_memory=out_of_memory, workers_replaced=self.replaced)
+            out_of_memory=out_of_memory, workers_replaced=self.replaced, withdrawn=self.withdrawn)

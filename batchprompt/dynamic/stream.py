@@ -30,22 +30,27 @@ def imap(processor, items: Iterable, max_in_flight: int, priority: int) -> Itera
     pending: deque = deque()  # groups, oldest first
     in_flight = 0  # items taken from `source` and not yet yielded
     exhausted = False
-    while True:
-        while not exhausted and in_flight < max_in_flight:
-            part = list(islice(source, min(chunk, max_in_flight - in_flight)))
-            if not part:
-                exhausted = True
-                break
-            pending.append(processor.submit(part, priority, solo=True))  # waited on oldest first
-            in_flight += len(part)
-        if not pending:
-            return
-        group = pending.popleft()
-        group.wait()
-        results = group.results
-        in_flight -= len(results)
-        for r in results:
-            yield value(r)
+    try:
+        while True:
+            while not exhausted and in_flight < max_in_flight:
+                part = list(islice(source, min(chunk, max_in_flight - in_flight)))
+                if not part:
+                    exhausted = True
+                    break
+                pending.append(processor.submit(part, priority, solo=True))  # waited on oldest first
+                in_flight += len(part)
+            if not pending:
+                return
+            group = pending[0]
+            group.wait()
+            pending.popleft()
+            results = group.results
+            in_flight -= len(results)
+            for r in results:
+                yield value(r)
+    finally:  # left early (an error, Ctrl-C, a break): what is still queued would run for nobody
+        if pending:
+            processor.withdraw(pending)
 
 
 async def aimap(processor, items: Iterable | AsyncIterable, max_in_flight: int, priority: int) -> AsyncIterator:
@@ -55,26 +60,33 @@ async def aimap(processor, items: Iterable | AsyncIterable, max_in_flight: int, 
     pending: deque = deque()  # (group, start, stop), oldest first
     in_flight = 0
     exhausted = False
-    while True:
-        while not exhausted and in_flight < max_in_flight:
-            part = await take(min(chunk, max_in_flight - in_flight))
-            if not part:
-                exhausted = True
-                break
-            pending.append(await _submit(processor, part, loop, priority))
-            in_flight += len(part)
-        if not pending:
-            return
-        group, start, stop = pending.popleft()
-        waiter = Waiter(group, start, stop)
-        try:
-            await waiter
-        except BaseException:
-            if waiter.is_cancelled or not group.resolved:  # this task was cancelled: not an item's error
-                raise
-        in_flight -= stop - start
-        for r in group.results[start:stop]:
-            yield value(r)
+    try:
+        while True:
+            while not exhausted and in_flight < max_in_flight:
+                part = await take(min(chunk, max_in_flight - in_flight))
+                if not part:
+                    exhausted = True
+                    break
+                pending.append(await _submit(processor, part, loop, priority))
+                in_flight += len(part)
+            if not pending:
+                return
+            group, start, stop = pending[0]
+            waiter = Waiter(group, start, stop)
+            try:
+                await waiter
+            except BaseException:
+                if waiter.is_cancelled or not group.resolved:  # this task was cancelled: not an item's error
+                    raise
+            pending.popleft()
+            in_flight -= stop - start
+            for r in group.results[start:stop]:
+                yield value(r)
+    finally:  # left early: what is still queued would run for nobody (a group is this loop
+        # turn's: other callers' items may share it, so only a group of this stream's own goes)
+        own = [group for group, start, stop in pending if start == 0 and stop == len(group.results)]
+        if own:
+            processor.withdraw(own)
 
 
 async def _submit(processor, part: list, loop: asyncio.AbstractEventLoop, priority: int) -> tuple:

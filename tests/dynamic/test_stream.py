@@ -144,6 +144,56 @@ def test_aimap_raises_an_items_error_at_its_turn_and_can_be_cancelled():
     assert outcome(lambda: asyncio.run(main())) == [0, 1]
 
 
+class Gate:
+    """A batch function whose first batch runs at once; the next waits for `gate` (so that
+    the rest of the queue is still there), then all run."""
+
+    def __init__(self):
+        self.batches: list[list] = []
+        self.second = threading.Event()
+        self.gate = threading.Event()
+
+    def __call__(self, items: list) -> list:
+        self.batches.append(list(items))
+        if len(self.batches) == 2:
+            self.second.set()
+            self.gate.wait(LIMIT_S)
+        return [x * 10 for x in items]
+
+    def ran(self) -> list:
+        return [x for batch in self.batches for x in batch if x != 100]
+
+
+def test_an_imap_left_early_takes_its_queued_items_off_the_queue():
+    """A consumer that stops (a break, an error, Ctrl-C) leaves items nobody will read: they
+    are withdrawn unrun, not run ahead of later callers (all 20 ran before)."""
+    fn = Gate()
+    g = bp.dynamically(batch_size=2, timeout_ms=1)(fn)
+    stream = g.imap(range(20), max_in_flight=20)  # 10 chunks of 2, queued at the first next()
+    assert next(stream) == 0
+    assert fn.second.wait(LIMIT_S)  # the second batch runs, the other 8 are queued
+    stream.close()  # the consumer leaves
+    fn.gate.set()
+    assert g.many([100]) == [1000]
+    assert fn.ran() == [0, 1, 2, 3] and g.stats.withdrawn == 16, (fn.batches, g.stats)
+
+
+def test_an_aimap_left_early_takes_its_queued_items_off_the_queue():
+    fn = Gate()
+    g = bp.dynamically(batch_size=2, timeout_ms=1)(fn)
+
+    async def main():
+        stream = g.aimap(range(20), max_in_flight=20)
+        assert await anext(stream) == 0
+        await asyncio.to_thread(fn.second.wait, LIMIT_S)
+        await stream.aclose()
+        fn.gate.set()
+        return await g.amany([100])
+
+    assert outcome(lambda: asyncio.run(main())) == [1000]
+    assert len(fn.ran()) < 20 and g.stats.withdrawn == 20 - len(fn.ran()), (fn.batches, g.stats)
+
+
 def test_max_in_flight_is_checked():
     f = bp.dynamically()(lambda items: items)
     with pytest.raises(ValueError, match="max_in_flight must be an int >= 1"):
