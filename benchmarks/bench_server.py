@@ -357,7 +357,9 @@ def main() -> None:
           f"{', '.join(f'{x:.2f}' for x in round_ratios)}); server / in-process at the same concurrency: "
           f"{server_rps / callers_rps:.2f}; identical texts {same}/{len(texts)} (in bfloat16 a different batching "
           f"may flip near-ties)")
-    print(f"the clients' own CPU, on the same cores as the server: {client_ms:.1f} ms a request")
+    where = (f"on CPU {','.join(map(str, sorted(args.client_cpus)))}, the server on "
+             f"{','.join(map(str, sorted(args.engine_cpus or [])))}" if pinned else "on the same cores as the server")
+    print(f"the clients' own CPU, {where}: {client_ms:.1f} ms a request")
     print("\n| server RSS | MiB |\n|---|---|")
     for point, mib in rss.items():
         print(f"| {point} | {mib:.0f} |")
