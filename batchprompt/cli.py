@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    from .api.service import EngineOptionsConflict, KVCacheTooSmall
+    from .api.service import EngineOptionsConflict
+    from .engine.config import EngineConfigError
     from .jobs import InputError, JobOptions, JournalMismatch, run_job
     from .jobs.lock import JournalBusy
     from .jobs.sigterm import sigterm_as_interrupt
@@ -237,7 +238,7 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         with sigterm_as_interrupt():
             summary = run_job(opts)
-    except (InputError, ModelNotFoundError, JournalMismatch, JournalBusy, KVCacheTooSmall,
+    except (InputError, ModelNotFoundError, JournalMismatch, JournalBusy, EngineConfigError,
             EngineOptionsConflict) as e:
         return _fail(str(e))
     except ClusterError as e:  # --ray: Ray cannot be reached, or no replica could start

@@ -30,6 +30,7 @@ from typing import Any, Callable
 from ..backends.base import Item, Source, answer, stopped_output  # noqa: F401  (the seam's types, imported from here too)
 from ..device import prepare_engine_thread
 from ..engine import EngineConfig, EngineStats, LLMEngine, RequestOutput, SamplingParams
+from ..engine.config import EngineConfigError
 from .callbacks import CallbackThread
 from .result import EngineStoppedError
 
@@ -461,7 +462,7 @@ class EngineOptionsConflict(ValueError):
     """Other engine_options than those of the engine already running for the model."""
 
 
-class KVCacheTooSmall(ValueError):
+class KVCacheTooSmall(EngineConfigError):
     """The KV budget asked for cannot hold one request of the full context."""
 
 

@@ -9,6 +9,11 @@ _WHOLE_NUMBERS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_m
                   "max_starved_steps")
 
 
+class EngineConfigError(ValueError):
+    """An engine option that cannot work with this model (a context longer than the model's,
+    a KV cache too small for one request of it): refused at start, as vLLM refuses to start."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """`kv_cache_memory` is a ceiling in bytes (None: a share of free memory); the cache grows

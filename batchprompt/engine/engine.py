@@ -14,7 +14,7 @@ from ..models.llama import LlamaModel
 from ..steps import ModelRunnerOutput, SchedulerOutput
 from ..structured import GrammarCompiler, GrammarError
 from .block_pool import BlockPool
-from .config import EngineConfig
+from .config import EngineConfig, EngineConfigError
 from .grammar_step import advance_grammar
 from .kv_cache import KVCacheManager
 from .outputs import RequestOutput
@@ -54,7 +54,7 @@ class LLMEngine:
         args = self.model.args
         if config.max_model_len is not None and config.max_model_len > args.max_position:
             # As vLLM: positions past what the model was trained for would give garbage, not an error.
-            raise ValueError(f"max_model_len {config.max_model_len} is longer than the model's context of "
+            raise EngineConfigError(f"max_model_len {config.max_model_len} is longer than the model's context of "
                              f"{args.max_position} tokens: give at most {args.max_position}, or leave it out "
                              f"for the model's own")
         self.max_model_len = config.max_model_len or args.max_position

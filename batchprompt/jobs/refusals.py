@@ -84,9 +84,10 @@ def _check_template_fields(body: dict) -> None:
     for name in TEMPLATE_FLAGS:
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise Refused(f"{name} must be true or false, got {body[name]!r}", "invalid_value", name)
-    if body.get("add_generation_prompt") and body.get("continue_final_message"):
-        raise Refused("continue_final_message continues the last message, add_generation_prompt opens a new "
-                      "one: set add_generation_prompt to false", "invalid_value", "continue_final_message")
+    if body.get("continue_final_message") and body.get("add_generation_prompt", True) is not False:
+        raise Refused("continue_final_message continues the last message, add_generation_prompt (true unless "
+                      "set) opens a new one: set add_generation_prompt to false, as vLLM asks", "invalid_value",
+                      "continue_final_message")
     kwargs = body.get("chat_template_kwargs")
     if kwargs is None:
         return

@@ -119,20 +119,20 @@ def fingerprint(raw: bytes, opts: JobOptions) -> str:
     return h.hexdigest()
 
 
-def check_writable(path: str) -> None:
+def check_writable(path: str, what: str = "the output") -> None:
     if path == "-":
         return
     if Path(path).is_dir():
-        raise InputError(f"{path}: cannot write the output there: it is a folder; give a file name, "
+        raise InputError(f"{path}: cannot write {what} there: it is a folder; give a file name, "
                          f"such as {Path(path) / 'output.jsonl'}")
     parent = Path(path).resolve().parent
     if not parent.is_dir():
-        raise InputError(f"{path}: cannot write the output there: the folder {parent} does not exist")
+        raise InputError(f"{path}: cannot write {what} there: the folder {parent} does not exist")
     try:
         with tempfile.NamedTemporaryFile(dir=parent, prefix=".batchprompt-check-"):
             pass
     except OSError as e:
-        raise InputError(f"{path}: cannot write the output there ({e.strerror})") from e
+        raise InputError(f"{path}: cannot write {what} there ({e.strerror})") from e
 
 
 def check_distinct(paths: dict[str, str | Path | None]) -> None:
@@ -303,7 +303,7 @@ class JobRun:
                         "journal (--journal)": journal_path})
         check_writable(opts.output)
         if errors_path:
-            check_writable(errors_path)
+            check_writable(errors_path, "the errors file (--errors)")
         if getattr(opts.cluster, "remote", False):  # an EndpointPool: the model is the one its servers serve
             model_name = self.model_path = opts.cluster.model
         else:

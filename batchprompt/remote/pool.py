@@ -104,9 +104,12 @@ class EndpointPool(SwarmMethods):
         reports, {url: why} of those that did not answer)."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
+        deadline = time.monotonic() + self.give_up_after
+
         def ask(spec: EndpointSpec):
-            try:
-                r = httpx.get(spec.url + "/v1/models", headers=headers, timeout=min(self.timeout, 10.0))
+            try:  # a server that takes connections but never answers waits no longer than give_up_after
+                wait = max(0.5, min(self.timeout, 10.0, deadline - time.monotonic()))
+                r = httpx.get(spec.url + "/v1/models", headers=headers, timeout=wait)
             except httpx.HTTPError as e:
                 return spec, None, f"{type(e).__name__}: {e}"
             if r.status_code in (401, 403):
@@ -121,7 +124,7 @@ class EndpointPool(SwarmMethods):
 
         # Servers still loading (a pool started beside them) get give_up_after seconds to answer,
         # as work waits that long for an endpoint: the first that answers starts the pool.
-        deadline, wait, warned = time.monotonic() + self.give_up_after, min(1.0, self.backoff_s or 1.0), False
+        wait, warned = min(1.0, self.backoff_s or 1.0), False
         while True:
             with ThreadPoolExecutor(max_workers=min(16, len(self.specs))) as ex:
                 answers = list(ex.map(ask, self.specs))
@@ -140,7 +143,7 @@ class EndpointPool(SwarmMethods):
                             "for one", len(self.specs), self.give_up_after)
                 warned = True
             time.sleep(min(wait, left))
-            wait = min(wait * 2, 10.0)
+            wait = min(wait * 2, 5.0)
         served = {spec.url: served_models(data) for spec, data in up}
         if model is None:
             common = set.intersection(*(set(m) for m in served.values()))

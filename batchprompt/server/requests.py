@@ -148,7 +148,8 @@ def param_named(message: str, body: dict) -> str | None:
     """The body field an error message is about (they start with its name: "top_p must be ...";
     a structured-output error names the option, which the body gave in one of its fields),
     for the error's `param`, as OpenAI fills it."""
-    first = message.removeprefix("bad ").split(" ", 1)[0].rstrip(":,").split(".", 1)[0]
+    message = message.removeprefix("unknown option(s) ")  # the batch API's TypeError: the first is named
+    first = message.removeprefix("bad ").split(" ", 1)[0].rstrip(":,;").split(".", 1)[0]
     if first in body:
         return first
     if first in STRUCTURED_WORDS:

@@ -176,6 +176,18 @@ def test_options_other_than_the_running_engines_are_one_error_in_process(tmp_pat
         bp.shutdown()
 
 
+def test_a_context_longer_than_the_models_is_one_error(tmp_path, capsys):
+    """Was a traceback and exit 1: the engine refuses it (as vLLM), and `run` says so once."""
+    import batchprompt as bp
+
+    inp, out = _one_row_job(tmp_path)
+    bp.shutdown()
+    assert main(["run", str(inp), "-o", str(out), "--max-model-len", "999999", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("batchprompt: error:") == 1 and "longer than the model's context of 8192 tokens" in err, err
+    assert "Traceback" not in err
+
+
 def test_unknown_dtype_is_a_usage_error(tmp_path, capsys):
     inp, out = _one_row_job(tmp_path)
     with pytest.raises(SystemExit) as e:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 
@@ -105,6 +106,17 @@ def test_no_endpoint_answering_is_a_clear_error_after_give_up_after():
     with pytest.raises(PoolError, match=r"none of the 2 endpoints answered GET /v1/models in 1s \(give_up_after\)"):
         bp.EndpointPool([f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"], give_up_after=1)
     assert 1 <= time.monotonic() - t0 < 30
+
+
+def test_an_endpoint_that_takes_connections_but_never_answers_waits_no_longer_than_give_up_after():
+    """Each probe's wait is cut to the time left (a probe waited 10 s, past give_up_after=2)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        t0 = time.monotonic()
+        with pytest.raises(PoolError, match=r"in 2s \(give_up_after\)"):
+            bp.EndpointPool([f"127.0.0.1:{listener.getsockname()[1]}"], give_up_after=2)
+        assert time.monotonic() - t0 < 8
 
 
 def test_a_pool_started_before_its_server_answers_waits_for_it(proxy):

@@ -92,7 +92,7 @@ def test_sync_takes_the_batch_apis_structured_options(server):
 
 
 @pytest.mark.parametrize("body, status, param", [
-    ({"prompts": ["x"], "colour": "red"}, 400, None),  # not an option of the batch API
+    ({"prompts": ["x"], "colour": "red"}, 400, "colour"),  # not an option of the batch API
     ({"prompts": ["x"], "max_tokens": 0}, 400, "max_tokens"),  # param was null
     ({"prompts": ["x"], "regex": "("}, 400, "regex"),
     ({"prompts": "x"}, 422, None),

@@ -36,6 +36,7 @@ def tokenizer():
     ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
     ({"add_generation_prompt": "yes"}, "add_generation_prompt"),
     ({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
+    ({"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt is true unless set
     ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
 ])
