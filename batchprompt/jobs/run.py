@@ -251,10 +251,10 @@ def _logprobs(row: Row) -> tuple[bool, int]:
     b = row.body
     lp, top = b.get("logprobs"), _given(b.get("top_logprobs"), 0)
     if row.url == COMPLETION:
-        if isinstance(lp, bool) or lp is None:
-            return bool(lp), 0
+        if isinstance(lp, bool) or lp is None:  # true is 1, as vLLM's integer field reads it
+            return bool(lp), int(bool(lp))
         if not (isinstance(lp, int) and 0 <= lp <= MAX_TOP_LOGPROBS):  # SamplingParams would name top_logprobs
-            raise ValueError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} (or true/false), got {lp!r}")
+            raise ValueError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} (true: 1), got {lp!r}")
         return True, lp
     if top and not lp:
         raise ValueError("top_logprobs needs logprobs: true")
