@@ -51,6 +51,8 @@ def refuse_unsupported(body: dict) -> dict:
         if name in body and not noop(body[name]):
             raise Refused(f"{name}={body[name]!r}: batchprompt does not support it; leave it out",
                           "unsupported_parameter", name)
+    if body.get("stream_options") is not None and not body.get("stream"):
+        raise Refused("stream_options is only allowed with stream: true", "invalid_parameter", "stream_options")
     _check_template_fields(body)
     if body.get("best_of") is not None and body.get("best_of") == (body.get("n") or 1):
         # best_of = n picks all n: a no-op clients send, not the best-of-n search (which needs n = 1).

@@ -396,22 +396,27 @@ class JobRun:
         owners: list[list[tuple[Pending, int]]] = []  # per item: (row, choice index) it answers
         shared: dict[str, int] = {}
         for row in todo:
+            code = "invalid_parameter"  # the server's code for each stage's failure, so both paths agree
             try:
                 row = replace(row, body=refusals.refuse_unsupported(row.body))
                 params, n = row_params(row, self.opts)
                 spec = row_spec(row, self.opts)
                 if spec is not None:
                     params = spec.sampling_params(params, tok)
+                code = "invalid_prompt"
                 ids = render(row, tok, self.opts.system)
                 # A max_tokens the row asks for must fit beside its prompt, as the server checks it;
                 # the job's default is cut at the context's end instead.
                 refusals.check_context(ids, service.max_model_len, "the messages" if row.url == CHAT else "the prompt",
                                        refusals.asked_max_tokens(row.body, params))
                 per_choice = [params if n == 1 or params.seed is None else
-                              SamplingParams(**{**asdict(params), "seed": params.seed + choice}) for choice in range(n)]
+                              replace(params, seed=params.seed + choice) for choice in range(n)]
             except Exception as e:  # any failure to prepare one row (a chat template that raises) is its own
                 if journal is not None:
-                    code = e.code if isinstance(e, refusals.Refused) else "invalid_request"
+                    if isinstance(e, refusals.Refused):
+                        code = e.code
+                    elif code == "invalid_parameter" and not isinstance(e, (TypeError, ValueError)):
+                        code = "invalid_request"
                     journal.record(row.line, row.custom_id, False, openai_io.error_line(
                         row.line, row.custom_id, code, f"line {row.line}: {e}", journal.job_id))
                 continue

@@ -53,8 +53,7 @@ async def completions(request: Request):
 async def _complete(request: Request, schema, plan_fn, chat: bool):
     state = server_state(request)
     body = await read_json(request, schema)
-    if body.get("stream_options") is not None and not body.get("stream"):
-        raise ApiError(400, "stream_options is only allowed with stream: true", "invalid_parameter", "stream_options")
+    # stream_options without stream: refused with the body's other fields (jobs.refusals)
     state.check_model(body.get("model"))
     service = state.service()
     # Rendering and tokenizing take the tokenizer's lock and some CPU: off the event loop.

@@ -489,3 +489,26 @@ def test_stdin_to_stdout(tmp_path):
     again = subprocess.run(cmd, input=data, capture_output=True, text=True, env=env, timeout=300)
     assert again.returncode == 0 and again.stdout == first.stdout  # from the journal, nothing rerun
     assert "already complete" in again.stderr
+
+
+def test_rows_answer_as_the_server_answers_them(tmp_path):
+    """n > 1 with a seed and a constraint ran each choice with params rebuilt through asdict,
+    which failed every such row ("unhashable type: 'dict'"); stream_options without stream
+    ran, where the endpoint refuses it; a bad option's code was invalid_request, where the
+    server says invalid_parameter."""
+    rows = [chat_line(0, "Hello", n=2, seed=5, guided_choice=["spam", "ham"]),
+            chat_line(1, "Hello", n=2, seed=5, response_format={
+                "type": "json_schema", "json_schema": {"name": "g", "schema": {"type": "object", "properties": {
+                    "a": {"type": "integer"}}, "required": ["a"]}}}, max_tokens=12),
+            chat_line(2, "Hello", stream_options={"include_usage": True}),
+            chat_line(3, "Hello", logprobs=True, top_logprobs=21)]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(rows) + "\n")
+    assert main(["run", str(inp), "-o", str(out), "--no-progress"]) == 1
+    outputs = {o["custom_id"]: o["response"]["body"] for o in parse_outputs(out)}
+    assert [c["message"]["content"] in ("spam", "ham") for c in outputs["sms-0"]["choices"]] == [True, True]
+    assert [isinstance(json.loads(c["message"]["content"])["a"], int) for c in outputs["sms-1"]["choices"]] == [True] * 2
+    errors = {e["custom_id"]: e["error"] for e in map(json.loads, Path(str(out) + ".errors.jsonl").read_text()
+                                                      .splitlines())}
+    assert errors["sms-2"]["code"] == "invalid_parameter" and "stream_options" in errors["sms-2"]["message"]
+    assert errors["sms-3"]["code"] == "invalid_parameter" and "top_logprobs" in errors["sms-3"]["message"]

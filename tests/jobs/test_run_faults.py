@@ -54,7 +54,7 @@ def test_a_row_whose_chat_template_raises_is_that_rows_error(tmp_path, monkeypat
     assert main(args) == 1
     assert [o["custom_id"] for o in parse_outputs(out)] == ["good-1", "good-2"]
     [err] = _errors(out)
-    assert (err["custom_id"], err["error"]["line"], err["error"]["code"]) == ("two-users", 2, "invalid_request")
+    assert (err["custom_id"], err["error"]["line"], err["error"]["code"]) == ("two-users", 2, "invalid_prompt")  # as the server answers it
     assert "roles must alternate" in err["error"]["message"]
     assert main(args) == 1  # the rerun finds the job complete, rather than dying on that row
 
