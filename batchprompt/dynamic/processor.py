@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Sequence
 from .errors import BatchSizeMismatch, DeadlineExceeded, QueueFull, WorkerDied, Withdrawn
 from .groups import _Group, _LoopBuffer, hand_over, new_lock
 from .lengths import bucket_function, checked_length
-from .queue import ITEMS, GROUP, POS, RunQueue
+from .queue import ITEMS, RunQueue
 from .results import Failure, unwrap, value
 from .sizing import BatchSizer
 from .stats import BatchStats, StatsRecorder
@@ -148,21 +148,11 @@ class BatchProcessor(RunQueue, Worker):
             runs = self._withdraw(set(map(id, groups)))
         if not runs:
             return 0
-        error = Withdrawn(f"{self.name}: taken off the queue unrun, its caller stopped waiting")
         finished: list[_Group] = []
-        n = 0
-        with self._results_lock:
-            for run in runs:
-                k = len(run[ITEMS])
-                n += k
-                group, pos = run[GROUP], run[POS]
-                group.results[pos:pos + k] = [Failure(error)] * k
-                group.remaining -= k
-                if group.remaining == 0:
-                    finished.append(group)
-            self._stats.withdrawn += n
+        self._fail_runs(runs, Withdrawn(f"{self.name}: taken off the queue unrun, its caller stopped waiting"),
+                        finished, withdrawn=True)
         hand_over(finished)
-        return n
+        return sum(len(run[ITEMS]) for run in runs)
 
     def wait(self, group: _Group, timeout: float | None) -> list:
         if timeout is None:

@@ -266,13 +266,18 @@ class Worker:
                     finished.append(group)
 
     def _fail_runs(self, runs: list[_Run], error: BaseException, finished: list[_Group],
-                   slot: WorkerSlot | None = None) -> None:
+                   slot: WorkerSlot | None = None, withdrawn: bool = False) -> None:
+        """Fill the runs' slots with `error`; the groups this finishes go in `finished`. Counted
+        as errors, or (`withdrawn`) as items taken off the queue unrun."""
         with self._results_lock:
             if slot is not None:
                 slot.done.extend(runs)
             for run in runs:
                 k = len(run[ITEMS])
-                self._stats.errors += k
+                if withdrawn:
+                    self._stats.withdrawn += k
+                else:
+                    self._stats.errors += k
                 group, pos = run[GROUP], run[POS]
                 group.results[pos:pos + k] = [Failure(error)] * k
                 group.remaining -= k

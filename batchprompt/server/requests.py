@@ -45,7 +45,7 @@ def plan_chat(body: dict, tokenizer, max_model_len: int) -> Plan:
     opts = JobOptions(input="-", output="-", max_tokens=max_model_len, temperature=TEMPERATURE)
     params, n, spec = _params(row, opts, tokenizer)
     ids = _checked(_render(row, tokenizer), max_model_len, "the messages", refusals.asked_max_tokens(body, params))
-    return Plan(rid, [row], n, _choices([ids], params, n, spec), _token_text(tokenizer), tokenizer.decode)
+    return Plan(rid, [row], n, _choices([ids], params, n, spec), openai_io.TokenPieces.of(tokenizer), tokenizer.decode)
 
 
 def plan_completion(body: dict, tokenizer, max_model_len: int) -> Plan:
@@ -63,7 +63,7 @@ def plan_completion(body: dict, tokenizer, max_model_len: int) -> Plan:
         ids = _render(row, tokenizer) if isinstance(prompt, str) else list(prompt)
         rows.append(row)
         all_ids.append(_checked(ids, max_model_len, what, params.max_tokens))
-    return Plan(rid, rows, n, _choices(all_ids, params, n, spec), _token_text(tokenizer), tokenizer.decode)
+    return Plan(rid, rows, n, _choices(all_ids, params, n, spec), openai_io.TokenPieces.of(tokenizer), tokenizer.decode)
 
 
 def plan_row(row: Row, tokenizer, max_model_len: int) -> list[Prepared]:
@@ -182,7 +182,3 @@ def _choices(all_ids: list[list[int]], params, n: int, spec) -> list[Prepared]:
                     raise ApiError(400, str(e), "invalid_parameter", "seed") from None
             out.append(Prepared(len(out), ids, p, spec=spec))
     return out
-
-
-def _token_text(tokenizer) -> openai_io.TokenPieces:
-    return openai_io.TokenPieces.of(tokenizer)
