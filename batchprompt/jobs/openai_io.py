@@ -12,6 +12,22 @@ from .rows import CHAT, Row, RowError
 FINISH = {"stop": "stop", "length": "length"}
 
 
+def failed_choice(choices: Sequence[Result]) -> Result | None:
+    """The choice that fails its request, if one does. An output that `max_tokens` cut before it
+    completed its structured output is not one: as OpenAI and vLLM answer it, the partial text
+    is the answer, with finish_reason "length" (the endpoint, the Batch API and `batchprompt
+    run` alike)."""
+    return next((c for c in choices if c.error is not None and c.finish_reason != "length"), None)
+
+
+def failure_code(message: str) -> str:
+    """OpenAI's error code for a request the engine failed with this message: the engine's own
+    fault (a step that raised, an engine that stopped), a prompt too long, or the request's."""
+    if message.startswith(("the engine", "the model failed on this step")):
+        return "engine_error"
+    return "context_length_exceeded" if "shorten the prompt" in message else "invalid_request"
+
+
 def _id(prefix: str, job: str, custom_id: str | None, line: int) -> str:
     """The id of a row's line: the same for the same row of the same job (a resumed job writes
     what it would have written), different across jobs (ids are keys: OpenAI's are unique)."""

@@ -245,7 +245,8 @@ def parse_line(n: int, line: str) -> Row | RowError:
 def _openai_row(n: int, obj: dict) -> Row | RowError:
     cid = obj.get("custom_id")
     if not isinstance(cid, str) or not cid:
-        return RowError(n, None, "missing_custom_id", f"line {n}: an OpenAI batch line needs a string custom_id")
+        return RowError(n, None, "missing_custom_id", f"line {n}: an OpenAI batch line needs a custom_id, a "
+                                                      f"non-empty string" + (" (it is empty)" if cid == "" else ""))
     method = obj.get("method", "POST")
     if method != "POST":
         return RowError(n, cid, "invalid_method", f"line {n}: method must be POST, got {method!r}")

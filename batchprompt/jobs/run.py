@@ -237,8 +237,8 @@ def row_params(row: Row, opts: JobOptions) -> tuple[SamplingParams, int]:
     extra = {k: b[k] for k in SAMPLING_FIELDS if b.get(k) is not None}
     best_of = extra.get("best_of")
     if isinstance(best_of, int) and best_of > 1 and n > 1:
-        raise ValueError(f"best_of with n > 1 is not supported by batchprompt: give n alone, or best_of "
-                         f"with n = 1 (got n={n}, best_of={extra['best_of']})")
+        raise ValueError(f"best_of other than n is supported only with n = 1 (got n={n}, best_of={best_of}): "
+                         f"give n alone, or best_of with n = 1")
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=_given(b.get("top_p"), 1.0),
         seed=seed, stop=tuple(stop), logprobs=logprobs, top_logprobs=top, **extra)
@@ -513,9 +513,9 @@ class JobRun:
     def _answer(p: Pending, model_name: str, created: int, token_text, job: str) -> tuple[bool, dict, tuple[int, int]]:
         """(ok, journal record, (prompt, completion) tokens) of a row whose choices are all in."""
         row = p.row
-        failed = next((c for c in p.choices if c.error is not None), None)
+        failed = openai_io.failed_choice(p.choices)
         if failed is not None:
-            code = "context_length_exceeded" if "shorten the prompt" in failed.error else "request_failed"
+            code = openai_io.failure_code(failed.error)
             message = f"line {row.line}: {failed.error}"
             if any(c.retryable for c in p.choices):
                 code, message = "not_run", f"{message} (the row did not run: run the same command again to run it)"

@@ -54,7 +54,8 @@ def check_input(raw: bytes, endpoint: str, model_id: str, model_names: Iterable[
             continue
         cid = obj.get("custom_id")
         if not isinstance(cid, str) or not cid:
-            fail(n, "missing_custom_id", f"line {n}: each line needs a string custom_id", "custom_id")
+            fail(n, "missing_custom_id", f"line {n}: each line needs a custom_id, a non-empty string"
+                     + (" (it is empty)" if cid == "" else ""), "custom_id")
             continue
         problem = _request_problem(n, obj, endpoint, model_id, models)
         if problem is not None:

@@ -66,11 +66,10 @@ class Answer:
 def answer(p: Pending, model: str, created: int, token_text: Callable[[int], str], job: str = "") -> Answer:
     """The line of a request whose choices are all in."""
     row = p.row
-    failed = next((c for c in p.choices if c.error is not None), None)
+    failed = openai_io.failed_choice(p.choices)
     if failed is not None:
-        code = "context_length_exceeded" if "shorten the prompt" in failed.error else "request_failed"
-        return Answer(False, openai_io.error_line(row.line, row.custom_id, code, f"line {row.line}: {failed.error}",
-                                                  job))
+        return Answer(False, openai_io.error_line(row.line, row.custom_id, openai_io.failure_code(failed.error),
+                                                  f"line {row.line}: {failed.error}", job))
     try:
         body = openai_io.response_body(row, p.choices, model, created, token_text, job)
     except Exception as e:  # noqa: BLE001  (an answer that cannot be shaped is its request's error)

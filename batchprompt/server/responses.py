@@ -15,22 +15,17 @@ from .requests import Plan
 
 
 def failure(results: Sequence[Result]) -> ApiError | None:
-    """The error to answer with, if a result failed in the engine. An output cut by max_tokens
-    before it completed its structured-output constraint is not one: as OpenAI and vLLM, the
-    partial text goes back with finish_reason "length"."""
-    for r in results:
-        if r.finish_reason == "error":
-            return result_error(r)
-    return None
+    """The error to answer with, if a result failed (openai_io.failed_choice: an output cut by
+    max_tokens before it completed its structured output is not one)."""
+    failed = openai_io.failed_choice(results)
+    return None if failed is None else result_error(failed)
 
 
 def result_error(r: Result) -> ApiError:
     message = r.error or "the request failed"
+    code = openai_io.failure_code(message)
     # The engine failed or stopped, or a model step raised: the server's failure, not the request's.
-    if message.startswith(("the engine", "the model failed on this step")):
-        return ApiError(500, message, "engine_error")
-    return ApiError(400, message, "context_length_exceeded" if "shorten the prompt" in message
-                    else "invalid_request")
+    return ApiError(500 if code == "engine_error" else 400, message, code)
 
 
 def response_id(plan: Plan, chat: bool) -> str:

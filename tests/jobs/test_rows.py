@@ -53,6 +53,13 @@ def test_a_bad_line_is_an_error_with_its_line_number(line, code):
     assert err.message.startswith("line 2:")
 
 
+def test_an_empty_custom_id_is_named_as_empty():
+    # It said "needs a string custom_id", of an id that is a string.
+    [err] = read_jsonl(lines({"custom_id": "", "url": CHAT, "body": {}}))
+    assert err.code == "missing_custom_id"
+    assert err.message == "line 1: an OpenAI batch line needs a custom_id, a non-empty string (it is empty)"
+
+
 def test_body_fields_and_command_defaults():
     opts = JobOptions("in", "out", max_tokens=5, temperature=0.0, seed=3)
     row = read_jsonl(lines({"custom_id": "a", "url": CHAT, "body": {

@@ -44,7 +44,7 @@ def test_completion_logprobs_k_means_top_k():
     ({"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
     ({"presence_penalty": 3}, "presence_penalty must be a number from -2 to 2"),
     ({"logit_bias": {"7": 500}}, "logit_bias values must be numbers from -100 to 100"),
-    ({"best_of": 3, "n": 2}, "best_of with n > 1 is not supported"),
+    ({"best_of": 3, "n": 2}, "best_of other than n is supported only with n = 1 \\(got n=2, best_of=3\\)"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be an integer from 0 to 20"),
 ])
 def test_bad_sampling_fields_fail_the_row(body, match):

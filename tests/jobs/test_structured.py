@@ -80,3 +80,26 @@ def test_bad_structured_flags_stop_before_any_work(tmp_path, capsys, monkeypatch
     assert main(["run", str(inp), "-o", str(out), "--choices", "a,b", "--regex", "x"]) == 2
     assert "one structured-output option" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_rows_are_answered_as_the_endpoint_answers_them(tmp_path):
+    """A JSON schema cut by max_tokens is the partial text with finish_reason "length" (it was
+    the row's error), and token ids outside the vocabulary are an invalid_request (they were a
+    request_failed): as the server's endpoint answers both, and as OpenAI and vLLM do."""
+    rows = [t for _, t in sms_rows(2)]
+    schema = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA}}
+    lines = [chat_line(0, rows[0], max_tokens=3, temperature=0, response_format=schema),
+             chat_line(1, rows[1], logit_bias={"99999999": 5})]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    assert main(["run", str(inp), "-o", str(out), "--no-progress"]) == 1
+    [o] = parse_outputs(out)
+    choice = o["response"]["body"]["choices"][0]
+    assert o["custom_id"] == "sms-0" and choice["finish_reason"] == "length"
+    assert choice["message"]["content"].startswith("{") and o["response"]["body"]["usage"]["completion_tokens"] == 3
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(choice["message"]["content"])
+    [e] = map(json.loads, open(f"{out}.errors.jsonl"))
+    assert e["custom_id"] == "sms-1" and e["error"]["code"] == "invalid_request", e
+    assert "outside the vocabulary" in e["error"]["message"] and e["error"]["message"].startswith("line 2: ")

@@ -73,6 +73,32 @@ def test_completions_endpoint_with_choices_and_logprobs(client):
     assert b["response"]["body"]["object"] == "text_completion"
 
 
+def test_rows_are_answered_as_the_endpoint_answers_them(client):
+    """A JSON schema cut by max_tokens: the partial text with finish_reason "length", in the row
+    as from the endpoint (the row was an error). Token ids outside the vocabulary: the row's
+    code is the endpoint's invalid_request (it was request_failed)."""
+    schema = {"type": "json_schema", "json_schema": {"name": "v", "schema": {
+        "type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"]}}}
+    cut = dict(max_tokens=3, temperature=0, response_format=schema)
+    lines = [chat_line("cut", "Name a colour.", **cut), chat_line("vocab", "Hi", logit_bias={"99999999": 5})]
+    batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    batch = wait_ended(client, batch.id)
+    assert batch.request_counts.model_dump() == {"total": 2, "completed": 1, "failed": 1}, batch
+    [row] = lines_of(client, batch.output_file_id)
+    direct = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Name a colour."}],
+                                            **cut)
+    choice = row["response"]["body"]["choices"][0]
+    assert choice["finish_reason"] == direct.choices[0].finish_reason == "length"
+    assert choice["message"]["content"] == direct.choices[0].message.content and choice["message"]["content"]
+    [err] = lines_of(client, batch.error_file_id)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=3, logit_bias={"99999999": 5})
+    assert err["custom_id"] == "vocab" and err["error"]["code"] == e.value.code == "invalid_request"
+    assert "outside the vocabulary" in err["error"]["message"]
+
+
 def test_a_malformed_file_fails_validation_with_its_line_numbers(client):
     good = json.dumps(chat_line("a", "Hi"))
     raw = "\n".join([

@@ -49,6 +49,16 @@ def test_every_bad_line_is_named_once_with_its_number():
     assert "'other' does not exist here; this server runs 'm'" in got.errors[7]["message"]
 
 
+def test_an_empty_custom_id_is_named_as_empty():
+    # It said "each line needs a string custom_id", of an id that is a string.
+    got = check(json.dumps({"custom_id": "", "method": "POST", "url": CHAT, "body": {}}), line("a"))
+    [err] = got.errors
+    assert err["code"] == "missing_custom_id" and err["param"] == "custom_id"
+    assert err["message"] == "line 1: each line needs a custom_id, a non-empty string (it is empty)"
+    assert check(json.dumps({"custom_id": 5, "url": CHAT, "body": {}})).errors[0]["message"] == (
+        "line 1: each line needs a custom_id, a non-empty string")
+
+
 def test_errors_are_capped_with_a_count_of_the_rest():
     got = check(*["nope"] * (MAX_ERRORS + 5))
     assert len(got.errors) == MAX_ERRORS + 1
