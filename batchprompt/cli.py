@@ -28,7 +28,7 @@ INPUT formats (by extension; '-' reads JSONL from stdin):
 OUTPUT: OpenAI batch output lines {"id", "custom_id", "response": {"status_code", "request_id",
 "body"}, "error"}, in input order; '-' writes stdout. Failed rows go to the errors file
 (default OUTPUT.errors.jsonl) with their input line. With CSV/Parquet input, --format table
-writes the input table with "result" and "error" columns.
+writes the input table with "result", "finish_reason" and "error" columns.
 
 Structured output: a body's response_format ({"type": "json_schema", "json_schema": {"schema":
 ...}} or {"type": "json_object"}), or vLLM's guided_choice / guided_regex / guided_json /
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--errors", default=None, metavar="ERRORS", help="errors file (default OUTPUT.errors.jsonl)")
     run.add_argument("--column", default=None, metavar="C", help="prompt column of CSV/Parquet input")
     run.add_argument("--format", default="openai", choices=["openai", "table"],
-                     help="output shape: OpenAI batch lines (default) or the input table plus a result column")
+                     help="output shape: OpenAI batch lines (default) or the input table plus result, finish_reason and error columns")
     run.add_argument("--journal", default=None, help="journal file (default OUTPUT.journal)")
     run.add_argument("--dry-run", action="store_true",
                      help="count rows and prompt tokens and estimate the run time from a short calibration")

@@ -545,15 +545,16 @@ class JobRun:
     def _write_table(self, table: Table, journal: Journal) -> None:
         import pyarrow as pa
 
-        texts: dict[int, str | None] = {}
-        errs: dict[int, str | None] = {}
+        # finish_reason tells an answer cut by max_tokens ("length": for a structured output, the
+        # partial text, which need not parse) from a whole one ("stop"); null for a failed row.
+        cols: dict[str, dict[int, str | None]] = {"result": {}, "finish_reason": {}, "error": {}}
         for line, ok, rec in [*journal.records(), *((line, False, rec) for line, rec in self._not_run.items())]:
             obj = json.loads(rec)
-            texts[line] = _answer_text(obj) if ok else None
-            errs[line] = None if ok else obj["error"]["message"]
-        n = table.table.num_rows
-        out = table.table.append_column("result", pa.array([texts.get(i) for i in range(1, n + 1)], pa.string()))
-        out = out.append_column("error", pa.array([errs.get(i) for i in range(1, n + 1)], pa.string()))
+            cols["result"][line], cols["finish_reason"][line] = _answer(obj) if ok else (None, None)
+            cols["error"][line] = None if ok else obj["error"]["message"]
+        n, out = table.table.num_rows, table.table
+        for name, values in cols.items():
+            out = out.append_column(name, pa.array([values.get(i) for i in range(1, n + 1)], pa.string()))
         if table.format == "parquet":
             import pyarrow.parquet as pq
             write = lambda f: pq.write_table(out, f)  # noqa: E731
@@ -567,10 +568,12 @@ class JobRun:
             write_atomic(self.opts.output, write)
 
 
-def _answer_text(line: dict) -> str:
+def _answer(line: dict) -> tuple[str, str]:
+    """(text, finish_reason) of an output line's first choice."""
     body = line["response"]["body"]
     choice = body["choices"][0]
-    return choice["message"]["content"] if body["object"] == "chat.completion" else choice["text"]
+    text = choice["message"]["content"] if body["object"] == "chat.completion" else choice["text"]
+    return text, choice["finish_reason"]
 
 
 def _write_lines(path: str, records) -> None:

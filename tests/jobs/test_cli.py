@@ -300,8 +300,9 @@ def test_csv_and_parquet_tables(tmp_path):
     assert main(["run", str(tmp_path / "in.parquet"), "-o", str(out), "--column", "text", "--format", "table",
                  "--system", SPAM_SYSTEM, "--max-tokens", "4", "--no-progress"]) == 0
     result = pq.read_table(out)
-    assert result.column_names == ["label", "text", "result", "error"]
+    assert result.column_names == ["label", "text", "result", "finish_reason", "error"]
     assert all(isinstance(x, str) for x in result.column("result").to_pylist())
+    assert set(result.column("finish_reason").to_pylist()) <= {"stop", "length"}
     csv_in = tmp_path / "in.csv"
     csv_in.write_text("id,text\n1,Win a prize now\n2,\n")
     assert main(["run", str(csv_in), "-o", str(tmp_path / "o.jsonl"), "--column", "text",

@@ -103,3 +103,17 @@ def test_rows_are_answered_as_the_endpoint_answers_them(tmp_path):
     [e] = map(json.loads, open(f"{out}.errors.jsonl"))
     assert e["custom_id"] == "sms-1" and e["error"]["code"] == "invalid_request", e
     assert "outside the vocabulary" in e["error"]["message"] and e["error"]["message"].startswith("line 2: ")
+
+
+@pytest.mark.slow
+def test_a_table_says_which_answers_max_tokens_cut(tmp_path):
+    # A cut structured answer is the partial text (as the endpoint gives it): its finish_reason
+    # column says so, where a whole one says "stop".
+    csv_in, out = tmp_path / "in.csv", tmp_path / "out.csv"
+    csv_in.write_text("text\n" + "".join(f'"{t}"\n' for t in [t.replace('"', "'") for _, t in sms_rows(2)]))
+    assert main(["run", str(csv_in), "-o", str(out), "--column", "text", "--format", "table", "--no-progress",
+                 "--json-schema", json.dumps(SCHEMA), "--max-tokens", "3"]) == 0
+    import pyarrow.csv
+    rows = pyarrow.csv.read_csv(out).to_pylist()
+    assert [(r["finish_reason"], r["error"]) for r in rows] == [("length", None)] * 2
+    assert all(r["result"].startswith("{") for r in rows)
