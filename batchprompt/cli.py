@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--errors", default=None, metavar="ERRORS", help="errors file (default OUTPUT.errors.jsonl)")
     run.add_argument("--column", default=None, metavar="C", help="prompt column of CSV/Parquet input")
     run.add_argument("--format", default="openai", choices=["openai", "table"],
-                     help="output shape: OpenAI batch lines (default) or the input table plus result, finish_reason and error columns")
+                     help="output shape: OpenAI batch lines (default) or the input table plus result, "
+                          "finish_reason and error columns")
     run.add_argument("--journal", default=None, help="journal file (default OUTPUT.journal)")
     run.add_argument("--dry-run", action="store_true",
                      help="count rows and prompt tokens and estimate the run time from a short calibration")

@@ -86,8 +86,8 @@ def test_rows_are_answered_as_the_endpoint_answers_them(client):
     batch = wait_ended(client, batch.id)
     assert batch.request_counts.model_dump() == {"total": 2, "completed": 1, "failed": 1}, batch
     [row] = lines_of(client, batch.output_file_id)
-    direct = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Name a colour."}],
-                                            **cut)
+    direct = client.chat.completions.create(model="smollm2-135m",
+                                            messages=[{"role": "user", "content": "Name a colour."}], **cut)
     choice = row["response"]["body"]["choices"][0]
     assert choice["finish_reason"] == direct.choices[0].finish_reason == "length"
     assert choice["message"]["content"] == direct.choices[0].message.content and choice["message"]["content"]
