@@ -89,6 +89,9 @@ class Journal:
             raise
 
     def done_lines(self) -> set[int]:
+        """The lines recorded, those not yet committed included (committed first: every read of
+        the journal sees every row recorded before it)."""
+        self.flush()
         return {r[0] for r in self.db.execute("SELECT line FROM rows")}
 
     def record(self, line: int, custom_id: str | None, ok: bool, record: dict[str, Any],
@@ -121,16 +124,19 @@ class Journal:
 
     def records(self) -> Iterator[tuple[int, bool, str]]:
         """(line, ok, JSON record) in input order."""
+        self.flush()
         for line, ok, record in self.db.execute("SELECT line, ok, record FROM rows ORDER BY line"):
             yield line, bool(ok), record
 
     def counts(self) -> tuple[int, int]:
         """(rows ok, rows in all)."""
+        self.flush()
         ok, total = self.db.execute("SELECT COALESCE(SUM(ok), 0), COUNT(*) FROM rows").fetchone()
         return int(ok), int(total)
 
     def token_counts(self) -> tuple[int, int]:
         """(prompt, completion) tokens of the rows that succeeded."""
+        self.flush()
         p, c = self.db.execute("SELECT COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0) "
                                "FROM rows WHERE ok = 1").fetchone()
         return int(p), int(c)

@@ -28,6 +28,22 @@ def test_rows_survive_reopening_and_are_never_doubled(tmp_path):
     j.close()
 
 
+def test_a_read_sees_the_rows_not_yet_committed(tmp_path):
+    # A batch whose every request failed its check read done_lines before the rows were
+    # committed, took them as not run, and never ended.
+    j = Journal(tmp_path / "j.sqlite", "fp", commit_every=64, commit_seconds=3600)
+    j.record(1, "a", False, {"x": 1})
+    j.record(2, "b", True, {"x": 2}, 5, 3)
+    assert j.done_lines() == {1, 2}
+    j.record(3, "c", True, {"x": 3}, 1, 1)
+    assert j.counts() == (2, 3)
+    j.record(4, "d", True, {"x": 4}, 1, 1)
+    assert j.token_counts() == (7, 5)
+    j.record(5, "e", False, {"x": 5})
+    assert [line for line, _, _ in j.records()] == [1, 2, 3, 4, 5]
+    j.close()
+
+
 def test_pending_rows_are_committed_once_due_without_another_row(tmp_path, monkeypatch):
     """flush_due commits what waits once the last commit is commit_seconds old, not before."""
     clock = [100.0]

@@ -73,6 +73,19 @@ def test_completions_endpoint_with_choices_and_logprobs(client):
     assert b["response"]["body"]["object"] == "text_completion"
 
 
+def test_a_batch_whose_every_request_is_refused_ends(client):
+    # It stayed in_progress, counts all 0, until the server started again: its refused rows were
+    # not yet committed to the journal when the batch looked for what had run.
+    lines = [chat_line(f"r{i}", "hi", temperature="hot") for i in range(3)]
+    batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    batch = wait_ended(client, batch.id, timeout=60)
+    assert batch.status == "completed", batch
+    assert batch.request_counts.model_dump() == {"total": 3, "completed": 0, "failed": 3}
+    assert [e["custom_id"] for e in lines_of(client, batch.error_file_id)] == ["r0", "r1", "r2"]
+    assert lines_of(client, batch.output_file_id) == []
+
+
 def test_rows_are_answered_as_the_endpoint_answers_them(client):
     """A JSON schema cut by max_tokens: the partial text with finish_reason "length", in the row
     as from the endpoint (the row was an error). Token ids outside the vocabulary: the row's
