@@ -63,17 +63,22 @@ def refuse_unsupported(body: dict) -> dict:
 def check_context(ids: list[int], max_model_len: int, what: str, max_tokens: int | None) -> list[int]:
     """The prompt's ids, or Refused where the prompt (`what`: "the messages", "the prompt")
     plus `max_tokens` (when the body asks for a number) does not fit the context."""
-    verb = "have" if what == "the messages" else "has"
     if len(ids) >= max_model_len:
-        raise Refused(f"{what} {verb} {len(ids)} tokens, but the context holds {max_model_len} (prompt plus at "
-                      f"least one generated token): shorten it", "context_length_exceeded",
-                      "messages" if what == "the messages" else "prompt")
+        raise too_long(what, str(len(ids)), max_model_len)
     if max_tokens is not None and len(ids) + max_tokens > max_model_len:
         raise Refused(f"the context holds {max_model_len} tokens, but this request asks for "
                       f"{len(ids) + max_tokens}: {len(ids)} in {what} and max_tokens {max_tokens}; lower "
                       f"max_tokens to at most {max_model_len - len(ids)} or shorten the prompt",
                       "context_length_exceeded", "max_tokens")
     return ids
+
+
+def too_long(what: str, tokens: str, max_model_len: int) -> Refused:
+    """The refusal of a prompt (`what`) of `tokens` tokens ("5000", "at least 80000")."""
+    verb = "have" if what == "the messages" else "has"
+    return Refused(f"{what} {verb} {tokens} tokens, but the context holds {max_model_len} (prompt plus at least "
+                   f"one generated token): shorten it", "context_length_exceeded",
+                   "messages" if what == "the messages" else "prompt")
 
 
 def asked_max_tokens(body: dict, params) -> int | None:

@@ -19,7 +19,7 @@ from ..api.structured import OutputSpec
 from ..backends import Backend, get_backend
 from ..engine import SamplingParams
 from ..engine.sampling_params import MAX_TOP_LOGPROBS
-from ..models.tokenizer import cache_dir
+from ..models.tokenizer import TooManyTokens, cache_dir
 from . import openai_io, refusals
 from .ids import check_ids
 from .journal import Journal, record_json
@@ -267,12 +267,19 @@ def _given(value, default):
     return default if value is None else value
 
 
-def render(row: Row, tokenizer, system: str | None) -> list[int]:
+def render(row: Row, tokenizer, system: str | None, max_model_len: int | None = None, what: str = "") -> list[int]:
     """Chat rows through the chat template (with `system` when they have none); completion
-    rows as raw text."""
-    if row.url == CHAT:
-        return tokenizer.encode_prompt(row.messages, system, **refusals.chat_template_options(row.body))
-    return tokenizer.encode(row.prompt, add_special_tokens=row.body.get("add_special_tokens", True) is not False)
+    rows as raw text. A text too long for `max_model_len` by its length alone is refused as
+    `what` ("the messages", "prompt 2"; by default as the row's url says) without encoding it."""
+    what = what or ("the messages" if row.url == CHAT else "the prompt")
+    try:
+        if row.url == CHAT:
+            return tokenizer.encode_prompt(row.messages, system, limit=max_model_len,
+                                           **refusals.chat_template_options(row.body))
+        return tokenizer.encode(row.prompt, add_special_tokens=row.body.get("add_special_tokens", True) is not False,
+                                limit=max_model_len)
+    except TooManyTokens as e:
+        raise refusals.too_long(what, f"at least {e.at_least}", e.limit) from None
 
 
 class JobRun:
@@ -404,7 +411,7 @@ class JobRun:
                 if spec is not None:
                     params = spec.sampling_params(params, tok)
                 code = "invalid_prompt"
-                ids = render(row, tok, self.opts.system)
+                ids = render(row, tok, self.opts.system, service.max_model_len)
                 # A max_tokens the row asks for must fit beside its prompt, as the server checks it;
                 # the job's default is cut at the context's end instead.
                 refusals.check_context(ids, service.max_model_len, "the messages" if row.url == CHAT else "the prompt",
@@ -443,7 +450,7 @@ class JobRun:
         tok = service.tokenizer
         for r in rows:
             try:
-                summary.prompt_tokens += len(render(r, tok, opts.system))
+                summary.prompt_tokens += len(render(r, tok, opts.system, service.max_model_len))
             except Exception:  # the row's error, as in a real run
                 summary.failed += 1
         sample = rows[:opts.calibration_rows]

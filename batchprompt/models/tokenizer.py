@@ -33,6 +33,7 @@ class Tokenizer:
         self._lock = threading.Lock()
         self._byte_decoder: dict[str, int] | None = None  # token_bytes': made on first use
         self._special_ids: frozenset[int] = frozenset()
+        self._max_token_bytes: int | None = None  # most input bytes one token covers: on first use
 
     @classmethod
     def load(cls, source: ModelSource, extra_eos: Sequence[int] = ()) -> "Tokenizer":
@@ -57,14 +58,38 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self.hf)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, limit: int | None = None) -> list[int]:
         """`text` as a prompt, the way the model's own tokenizer encodes it by default
         (`tokenizer(text)`): with the BOS token where the tokenizer adds one (Llama), as vLLM
         does for a completion prompt. `add_special_tokens=False` for a piece of text that
-        continues a sequence (a choice label after the prompt)."""
+        continues a sequence (a choice label after the prompt). `limit`: TooManyTokens, without
+        encoding, for a text too long to be `limit` tokens or fewer (no token covers more bytes
+        than the vocabulary's longest), so that megabytes of text do not hold the tokenizer,
+        which every other caller waits for, only to be refused."""
         _check_unicode(text)
+        if limit is not None:
+            size = len(text.encode("utf-8"))
+            if size > limit * self.max_token_bytes:
+                raise TooManyTokens(-(-size // self.max_token_bytes), limit)
         with self._lock:
             return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most bytes of text one token can stand for: byte-level BPE writes one character
+        per byte; other vocabularies are counted in UTF-8 bytes, doubled for a normalizer that
+        shortens text (NFKC's "ﬁ" to "fi")."""
+        if self._max_token_bytes is None:
+            with self._lock:
+                pieces = self.hf.convert_ids_to_tokens(list(range(len(self.hf))))
+            pieces = [p for p in pieces if isinstance(p, str)]
+            decoder = getattr(getattr(self.hf, "backend_tokenizer", None), "decoder", None)
+            if "ByteLevel" in repr(decoder):
+                most = max(map(len, pieces), default=1)
+            else:
+                most = 2 * max((len(p.encode("utf-8", "surrogatepass")) for p in pieces), default=1)
+            self._max_token_bytes = max(most, 1)
+        return self._max_token_bytes
 
     def decode(self, ids: Sequence[int]) -> str:
         with self._lock:
@@ -108,7 +133,8 @@ class Tokenizer:
 
     def encode_prompt(self, prompt: str | Sequence[Message], system: str | None = None, *,
                       add_generation_prompt: bool = True, continue_final_message: bool = False,
-                      add_special_tokens: bool = False, template_kwargs: dict | None = None) -> list[int]:
+                      add_special_tokens: bool = False, template_kwargs: dict | None = None,
+                      limit: int | None = None) -> list[int]:
         """The rendered prompt's tokens. A chat template writes every special token itself (the
         BOS too, where the model wants one), so nothing is added (unless add_special_tokens, as
         vLLM's field asks): the tokens equal `apply_chat_template(..., tokenize=True)`'s and a
@@ -116,7 +142,15 @@ class Tokenizer:
         gets what `encode` adds."""
         text = self.render(prompt, system, add_generation_prompt=add_generation_prompt,
                            continue_final_message=continue_final_message, template_kwargs=template_kwargs)
-        return self.encode(text, add_special_tokens=add_special_tokens or not self.has_chat_template)
+        return self.encode(text, add_special_tokens=add_special_tokens or not self.has_chat_template, limit=limit)
+
+
+class TooManyTokens(ValueError):
+    """A text longer than `limit` tokens, known without encoding it: `at_least` tokens."""
+
+    def __init__(self, at_least: int, limit: int):
+        super().__init__(f"the text is at least {at_least} tokens long, more than {limit}")
+        self.at_least, self.limit = at_least, limit
 
 
 def _byte_level_table() -> dict[str, int]:

@@ -44,7 +44,8 @@ def plan_chat(body: dict, tokenizer, max_model_len: int) -> Plan:
     # Unset max_tokens: the rest of the context, as vLLM (the engine stops at the context's end).
     opts = JobOptions(input="-", output="-", max_tokens=max_model_len, temperature=TEMPERATURE)
     params, n, spec = _params(row, opts, tokenizer)
-    ids = _checked(_render(row, tokenizer), max_model_len, "the messages", refusals.asked_max_tokens(body, params))
+    ids = _checked(_render(row, tokenizer, max_model_len), max_model_len, "the messages",
+                   refusals.asked_max_tokens(body, params))
     return Plan(rid, [row], n, _choices([ids], params, n, spec), openai_io.TokenPieces.of(tokenizer), tokenizer.decode)
 
 
@@ -60,7 +61,7 @@ def plan_completion(body: dict, tokenizer, max_model_len: int) -> Plan:
     for i, prompt in enumerate(prompts):
         what = f"prompt {i}" if len(prompts) > 1 else "the prompt"
         row = replace(base, prompt=prompt if isinstance(prompt, str) else None)
-        ids = _render(row, tokenizer) if isinstance(prompt, str) else list(prompt)
+        ids = _render(row, tokenizer, max_model_len, what) if isinstance(prompt, str) else list(prompt)
         rows.append(row)
         all_ids.append(_checked(ids, max_model_len, what, params.max_tokens))
     return Plan(rid, rows, n, _choices(all_ids, params, n, spec), openai_io.TokenPieces.of(tokenizer), tokenizer.decode)
@@ -75,7 +76,8 @@ def plan_row(row: Row, tokenizer, max_model_len: int) -> list[Prepared]:
                       temperature=TEMPERATURE)
     params, n, spec = _params(row, opts, tokenizer)
     asked = refusals.asked_max_tokens(row.body, params) if row.url == CHAT else params.max_tokens
-    ids = _checked(_render(row, tokenizer), max_model_len, "the messages" if row.url == CHAT else "the prompt", asked)
+    ids = _checked(_render(row, tokenizer, max_model_len), max_model_len,
+                   "the messages" if row.url == CHAT else "the prompt", asked)
     return _choices([ids], params, n, spec)
 
 
@@ -157,9 +159,11 @@ def param_named(message: str, body: dict) -> str | None:
     return None
 
 
-def _render(row: Row, tokenizer) -> list[int]:
+def _render(row: Row, tokenizer, max_model_len: int, what: str = "") -> list[int]:
     try:
-        return render(row, tokenizer, None)
+        return render(row, tokenizer, None, max_model_len, what)
+    except refusals.Refused as e:  # too long by its length alone
+        raise ApiError(400, str(e), e.code, e.param) from None
     except Exception as e:  # noqa: BLE001  (a chat template that raises on these messages)
         raise ApiError(400, f"the prompt cannot be rendered: {type(e).__name__}: {e}", "invalid_prompt") from None
 

@@ -336,15 +336,19 @@ def test_dtype_context_and_kv_size_reach_the_engine(tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text(chat_line(0, rows[0][1]) + "\n" + chat_line(1, rows[1][1]) + "\n" +
                    json.dumps({"custom_id": "long", "method": "POST", "url": COMPLETION,
-                               "body": {"prompt": "word " * 700, "max_tokens": 4}}) + "\n")
+                               "body": {"prompt": "word " * 700, "max_tokens": 4}}) + "\n" +
+                   json.dumps({"custom_id": "huge", "method": "POST", "url": COMPLETION,  # refused unread
+                               "body": {"prompt": "word " * 20_000, "max_tokens": 4}}) + "\n")
     rc = main(["run", str(inp), "-o", str(out), "--device", "cpu", "--dtype", "float32", "--max-model-len", "512",
                "--kv-cache-memory", "64MiB", "--max-tokens", "4", "--no-progress"])
     service = svc._services[key]  # the engine this run built
     try:
         assert rc == 1  # the long row fails alone
         assert [o["custom_id"] for o in parse_outputs(out)] == ["sms-0", "sms-1"]
-        (err,) = [json.loads(x) for x in Path(str(out) + ".errors.jsonl").read_text().splitlines()]
+        err, huge = [json.loads(x) for x in Path(str(out) + ".errors.jsonl").read_text().splitlines()]
         assert err["error"]["code"] == "context_length_exceeded" and "the context holds 512" in err["error"]["message"]
+        assert huge["error"]["code"] == "context_length_exceeded"
+        assert "the prompt has at least " in huge["error"]["message"], huge
         engine = service.engine
         param = next(engine.model.parameters())
         assert (param.dtype, param.device.type) == (torch.float32, "cpu")

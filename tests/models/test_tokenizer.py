@@ -121,3 +121,28 @@ def test_token_bytes_rebuild_a_character_split_across_tokens():
     assert "\ufffd" in tok.decode(ids[:1])  # the emoji's first token is part of a character
     assert b"".join(tok.token_bytes(t) for t in ids) == text.encode()
     assert tok.token_bytes(tok.hf.convert_tokens_to_ids("<|im_end|>")) == b""
+
+
+@pytest.mark.parametrize("name", ["embedded", "llama"])
+def test_a_text_too_long_by_its_length_is_refused_without_encoding(name, tmp_path, monkeypatch):
+    """A prompt of megabytes held the tokenizer (which every caller waits for) for seconds only
+    to be refused as too long. Its length alone now tells: no token covers more bytes than
+    `max_token_bytes`, so the bound never refuses a text that would fit."""
+    if name == "embedded":
+        tok = Tokenizer.load(resolve_model(None))
+    else:
+        tok = Tokenizer.load(ModelSource("hf_dir", _llama_style_dir(tmp_path, None), "tiny"))
+    texts = ["hello world " * 50, "\n" + " " * 300 + "x", "é🎉 " * 40, "<|im_start|>" * 30, "a" * 500]
+    for text in texts:  # the bound holds: bytes / max_token_bytes never exceeds the true count
+        n = len(tok.encode(text, add_special_tokens=False))
+        assert n >= len(text.encode()) / tok.max_token_bytes, (text[:20], n, tok.max_token_bytes)
+        assert tok.encode(text, add_special_tokens=False, limit=n) == tok.encode(text, add_special_tokens=False)
+    huge = "word " * (1000 * tok.max_token_bytes)
+
+    def no_encode(*a, **k):
+        raise AssertionError("the huge text was encoded")
+
+    monkeypatch.setattr(tok.hf, "encode", no_encode)
+    with pytest.raises(ValueError, match=r"at least \d+ tokens long, more than 1000") as e:
+        tok.encode_prompt([{"role": "user", "content": huge}], limit=1000)
+    assert e.value.at_least > 1000

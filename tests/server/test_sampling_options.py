@@ -41,6 +41,31 @@ def test_max_model_len_reaches_the_engine(server):
     assert error["code"] == "context_length_exceeded" and f"the context holds {MAX_MODEL_LEN}" in error["message"]
 
 
+def test_a_prompt_too_long_by_its_length_is_refused_unread(server):
+    """A prompt of far more bytes than the context's tokens can cover is refused by its length
+    alone (megabytes of text held the tokenizer, which every request waits for, for seconds):
+    on both routes and in a Batch API row. The message says "at least" (the old code counted)."""
+    from .batch_util import chat_line, lines_of, upload, wait_ended
+
+    huge = "word " * 20 * MAX_MODEL_LEN * 5  # 100 bytes for each token of the context
+    with server.client() as c:
+        chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": huge}]})
+        listed = c.post("/v1/completions", json={"prompt": ["hi", huge], "max_tokens": 1})
+    for r, text in ((chat, "the messages have at least "), (listed, "prompt 1 has at least ")):
+        assert r.status_code == 400, r.text
+        error = error_of(r)
+        assert error["code"] == "context_length_exceeded" and text in error["message"], error
+        assert f"the context holds {MAX_MODEL_LEN}" in error["message"]
+    client = server.openai()
+    lines = [chat_line("huge", huge), chat_line("small", "hi")]
+    batch = wait_ended(client, client.batches.create(input_file_id=upload(client, lines).id,
+                                                     endpoint="/v1/chat/completions", completion_window="24h").id)
+    assert batch.request_counts.model_dump() == {"total": 2, "completed": 1, "failed": 1}, batch
+    [err] = lines_of(client, batch.error_file_id)
+    assert err["custom_id"] == "huge" and err["error"]["code"] == "context_length_exceeded"
+    assert "the messages have at least " in err["error"]["message"]
+
+
 @pytest.mark.parametrize("route, body", [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100_000}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**29}),
