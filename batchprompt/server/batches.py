@@ -76,8 +76,10 @@ class BatchStore:
         self.prune()
         job = self._batches.get(batch_id)
         if job is None:
-            raise ApiError(404, f"no batch {batch_id!r}: unknown, or finished more than {self.retention_s:.0f}s "
-                                f"ago and dropped (--batch-retention)", "batch_not_found", "batch_id")
+            raise ApiError(404, f"no batch {batch_id!r}: unknown, finished more than {self.retention_s:.0f}s ago "
+                                f"and dropped (--batch-retention), or made before the server last started (async "
+                                f"batches live in memory; the Batch API's survive a restart)", "batch_not_found",
+                           "batch_id")
         return job
 
     def prune(self) -> None:
@@ -111,6 +113,7 @@ class Webhooks:
     def __init__(self, attempts: int, backoff_s: float, timeout_s: float):
         self.attempts, self.backoff_s, self.timeout_s = attempts, backoff_s, timeout_s
         self._client: httpx.AsyncClient | None = None
+        self.stopping = False  # the server is stopping: a failed post is not tried again
 
     async def deliver(self, job: AsyncBatch) -> None:
         if self._client is None:
@@ -130,6 +133,8 @@ class Webhooks:
                     break
             except httpx.HTTPError as e:
                 record["last_error"] = f"{type(e).__name__}: {e}"
+            if self.stopping:
+                break
             if attempt < self.attempts:
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
         record["status"] = "failed"

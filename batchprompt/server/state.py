@@ -177,15 +177,32 @@ async def _cancel_all(batches: list[Batch]) -> None:
             log.error("could not cancel a request at shutdown: %s", outcome)
 
 
+async def _end_async_batches(state: ServerState) -> None:
+    """Async batches live in memory: at a stop, each still running is cancelled, and its webhook
+    is sent once (no retries), so that a receiver waiting for it learns that it ended
+    ("cancelled", with the results that finished) rather than waiting forever. Bounded: the
+    cancels by CANCEL_GRACE_S, the posts by one attempt's timeout."""
+    running = [job for job in state.batches.all() if job.finished_at is None]
+    for job in running:
+        job.cancel_asked = True
+    state.webhooks.stopping = True
+    if running:
+        cancels = [asyncio.ensure_future(job.batch.cancel_async()) for job in running]
+        await asyncio.wait(cancels, timeout=CANCEL_GRACE_S)
+    tasks = [job.task for job in state.batches.all() if job.task is not None and not job.task.done()]
+    if tasks:
+        _, late = await asyncio.wait(tasks, timeout=state.webhooks.timeout_s + 1)
+        for task in late:  # an engine stuck in a step, or a receiver that never answers
+            task.cancel()
+        if late:
+            await asyncio.wait(late, timeout=CANCEL_GRACE_S)
+
+
 async def close(state: ServerState) -> None:
     """At the app's end: cancel what is in flight, async batches and their webhooks included;
     stop the Batch API's batches (their finished requests are committed: they resume next start)."""
     pending = state.begin_shutdown()
-    tasks = [job.task for job in state.batches.all() if job.task is not None and not job.task.done()]
-    for task in tasks:  # an async batch's task cancels its batch as it goes
-        task.cancel()
-    if tasks:
-        await asyncio.wait(tasks, timeout=30)
+    await _end_async_batches(state)
     if pending is not None and not state.abandoned.is_set():  # begun at the signal: done unless the engine is stuck
         await asyncio.wait({pending}, timeout=CANCEL_GRACE_S)
     await state.webhooks.close()

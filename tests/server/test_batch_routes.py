@@ -168,3 +168,31 @@ def test_stats(server):
                 "kv_blocks_used", "kv_blocks_total", "kv_cache_usage"):
         assert key in engine, key
     assert engine["kv_blocks_total"] > 0 and 0 <= engine["kv_cache_usage"] <= 1
+
+
+def test_a_stop_posts_each_running_async_batch_as_cancelled(tmp_path):
+    """Async batches live in memory. A SIGTERM cancelled a running one without a word: its
+    receiver waited forever, and after a restart the id was a 404 saying "finished and dropped".
+    Now its webhook is sent once, as "cancelled" with every result, and the 404 says why."""
+    receiver = Receiver([500])  # a failing receiver is not retried at a stop: the first post is the last
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    srv = start_server(tmp_path / "a")
+    try:
+        with srv.client() as c:
+            r = c.post("/v1/batch/async", json={"prompts": ["Letters:"] * 2, "max_tokens": 3000,
+                                                "regex": "[ab]{3000}", "callback_url": receiver.url})
+            batch_id = r.json()["batch_id"]
+            srv.wait_until(lambda s: s["engine"]["running"] >= 1, "the batch reached the engine")
+        assert stop_server(srv) == 0, srv.output()
+        assert receiver.posts.qsize() == 1, "the webhook was not posted exactly once"
+        status, header_id, body = receiver.next_post()
+        assert (status, header_id, body["id"], body["status"]) == (500, batch_id, batch_id, "cancelled")
+        assert [x["finish_reason"] for x in body["results"]] == ["cancelled", "cancelled"]
+        srv = start_server(tmp_path / "b", "--data-dir", str(tmp_path / "a" / "data"))
+        with srv.client() as c:
+            r = c.get(f"/v1/batch/{batch_id}")
+        assert r.status_code == 404 and "async batches live in memory" in error_of(r)["message"], r.text
+    finally:
+        stop_server(srv)
+        receiver.close()
