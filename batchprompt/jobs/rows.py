@@ -217,14 +217,35 @@ def read_jsonl(raw: bytes) -> list[Row | RowError]:
     return rows
 
 
+class _NotJson(ValueError):
+    pass
+
+
+def _no_constant(name: str) -> Any:
+    raise _NotJson(name)
+
+
 def json_loads(text: str | bytes) -> Any:
-    """json.loads, with JSON nested too deeply for it (a RecursionError) as a JSONDecodeError,
-    so that such input is refused like any other bad JSON."""
+    """json.loads of strict JSON, as OpenAI reads it: NaN and Infinity (which Python's json
+    takes) are a JSONDecodeError, as is JSON nested too deeply for it (a RecursionError), so
+    that such input is refused like any other bad JSON."""
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_no_constant)
     except RecursionError:
         doc = text if isinstance(text, str) else text.decode("utf-8", "replace")
         raise json.JSONDecodeError("nested too deeply (the limit is about 1,000 levels)", doc, 0) from None
+    except _NotJson as e:
+        doc = text if isinstance(text, str) else text.decode("utf-8", "replace")
+        raise json.JSONDecodeError(f"{e} is not a JSON value (write a number, or null)", doc,
+                                   max(doc.find(str(e)), 0)) from None
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type (an error message's "got an array")."""
+    if isinstance(value, bool):
+        return "a boolean"
+    return {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
+            type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def parse_line(n: int, line: str) -> Row | RowError:
@@ -234,7 +255,7 @@ def parse_line(n: int, line: str) -> Row | RowError:
         where = "column" if e.msg.endswith(" at") else "at column"  # "Unterminated string starting at"
         return RowError(n, None, "invalid_json", f"line {n}: not valid JSON ({e.msg} {where} {e.colno})")
     if not isinstance(obj, dict):
-        return RowError(n, None, "invalid_request", f"line {n}: expected a JSON object")
+        return RowError(n, None, "invalid_request", f"line {n}: expected a JSON object, got {json_type(obj)}")
     if "body" in obj or "url" in obj or "custom_id" in obj:
         return _openai_row(n, obj)
     cid = str(obj.get("id", f"line-{n}"))
@@ -304,7 +325,9 @@ def _row_from_body(n: int, cid: str, url: str, body: dict) -> Row | RowError:
         return RowError(n, cid, "unsupported_prompt", f"line {n}: the prompt is {what}; a batch line takes one "
                                                       f"prompt as text: put each prompt on a line of its own")
     if not isinstance(prompt, str) or not prompt:
-        return RowError(n, cid, "missing_prompt", f"line {n}: the line needs a non-empty prompt string or messages")
+        needs = "a non-empty prompt string" + (" or messages" if url == COMPLETION_OR_CHAT else "")
+        return RowError(n, cid, "missing_prompt", f"line {n}: the line needs {needs}"
+                        + (" (a completion body takes no messages)" if url == COMPLETION and "messages" in body else ""))
     if url == COMPLETION_OR_CHAT:  # plain JSONL: the prompt is the user's turn
         return Row(n, cid, CHAT, messages=[{"role": "user", "content": prompt}], body=body, prompt=None)
     return Row(n, cid, COMPLETION, prompt=prompt, body=body)

@@ -232,7 +232,14 @@ def check_metadata(metadata: Any) -> dict[str, str] | None:
     """OpenAI's rule: at most 16 pairs, keys up to 64 characters, values up to 512."""
     if metadata is None:
         return None
-    if len(metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
-        raise ApiError(400, "metadata takes at most 16 pairs of strings, keys up to 64 characters and values up "
-                            "to 512", "invalid_metadata", "metadata")
+    rule = "metadata takes at most 16 pairs of strings, keys up to 64 characters and values up to 512"
+    if len(metadata) > 16:
+        raise ApiError(400, f"{rule}; it has {len(metadata)} pairs", "invalid_metadata", "metadata")
+    for k, v in metadata.items():
+        if len(k) > 64:
+            raise ApiError(400, f"{rule}; the key {k[:20]!r}... has {len(k)} characters", "invalid_metadata",
+                           "metadata")
+        if len(v) > 512:
+            raise ApiError(400, f"{rule}; the value of {k!r} has {len(v)} characters", "invalid_metadata",
+                           "metadata")
     return metadata

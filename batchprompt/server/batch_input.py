@@ -91,7 +91,7 @@ def _parse(n: int, chunk: bytes, fail) -> dict | None:
         fail(n, "invalid_json", f"line {n}: not valid JSON ({e.msg} at column {e.colno})")
         return None
     if not isinstance(obj, dict):
-        fail(n, "invalid_request", f"line {n}: expected a JSON object, got {type(obj).__name__}")
+        fail(n, "invalid_request", f"line {n}: expected a JSON object, got {job_rows.json_type(obj)}")
         return None
     return obj
 

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import ClientDisconnect
 
-from ..jobs.rows import json_loads
+from ..jobs.rows import json_loads, json_type
 from .errors import ApiError
 
 CLIENT_GONE = 499  # nginx's "client closed request": what the metrics count it as
@@ -90,7 +90,7 @@ async def read_json(request: Request, schema: Type[BaseModel]) -> dict[str, Any]
         raise ApiError(400, f"the body is not valid JSON ({e}); send a JSON object with "
                             f"Content-Type: application/json", "invalid_json") from None
     if not isinstance(obj, dict):
-        raise ApiError(400, f"the body must be a JSON object, got {type(obj).__name__}", "invalid_json")
+        raise ApiError(400, f"the body must be a JSON object, got {json_type(obj)}", "invalid_json")
     try:
         schema.model_validate(obj)
     except ValidationError as e:

@@ -53,6 +53,20 @@ def test_a_bad_line_is_an_error_with_its_line_number(line, code):
     assert err.message.startswith("line 2:")
 
 
+def test_messages_say_what_the_line_got_in_jsons_words():
+    # NaN was taken (Python's json reads it; JSON has no NaN), "[1, 2]" said only "expected a
+    # JSON object", and a completion row with messages was told to give "a prompt or messages".
+    nan, array, msgs = read_jsonl(lines('{"prompt": "x", "temperature": NaN}', "[1, 2]",
+                                        {"custom_id": "x", "url": COMPLETION,
+                                         "body": {"messages": [{"role": "user", "content": "hi"}]}}))
+    assert nan.code == "invalid_json" and "NaN is not a JSON value" in nan.message
+    assert array.message == "line 2: expected a JSON object, got an array"
+    assert msgs.code == "missing_prompt"
+    assert msgs.message == "line 3: the line needs a non-empty prompt string (a completion body takes no messages)"
+    [plain] = read_jsonl(lines({"prompt": ""}))
+    assert plain.message == "line 1: the line needs a non-empty prompt string or messages"
+
+
 def test_an_empty_custom_id_is_named_as_empty():
     # It said "needs a string custom_id", of an id that is a string.
     [err] = read_jsonl(lines({"custom_id": "", "url": CHAT, "body": {}}))
@@ -124,7 +138,10 @@ def test_an_infinite_or_nan_temperature_fails_the_row():
     for text in ('{"temperature": 1e400}', '{"temperature": NaN}', '{"top_p": Infinity}'):
         raw = json.dumps(chat()).replace('"body": {', '"body": ' + text[:-1] + ", ")
         row = read_jsonl(raw.encode())[0]
-        assert isinstance(row, Row)
+        if "1e400" not in text:  # not JSON at all: the line's error, as OpenAI refuses it
+            assert isinstance(row, RowError) and row.code == "invalid_json", row
+            continue
+        assert isinstance(row, Row)  # JSON, read as infinity
         with pytest.raises(ValueError, match="must be a"):  # _prepare sends it to the errors file
             row_params(row, opts)
 

@@ -154,9 +154,12 @@ def test_create_errors(client):
     for window in ("99999999999h", "0h"):  # a number out of range was "not a duration"
         with pytest.raises(openai.BadRequestError, match=f"completion_window '{window}' is out of range"):
             client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window=window)
-    with pytest.raises(openai.BadRequestError, match="metadata takes at most 16 pairs"):
+    with pytest.raises(openai.BadRequestError, match="metadata takes at most 16 pairs.*; it has 17 pairs"):
         client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
                               metadata={str(i): "x" for i in range(17)})
+    with pytest.raises(openai.BadRequestError, match="the value of 'k' has 513 characters"):
+        client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                              metadata={"k": "v" * 513})
     with pytest.raises(openai.UnprocessableEntityError, match="completion_window"):
         client.post("/batches", body={"input_file_id": f.id, "endpoint": "/v1/chat/completions"}, cast_to=object)
     with pytest.raises(openai.NotFoundError, match="no batch 'batch_nope'"):

@@ -59,6 +59,15 @@ def test_an_empty_custom_id_is_named_as_empty():
         "line 1: each line needs a custom_id, a non-empty string")
 
 
+def test_nan_is_not_json_and_types_have_json_names():
+    got = check(line("a", temperature=float("nan")), line("b", top_p=float("inf")), "null")
+    assert [(e["line"], e["code"]) for e in got.errors] == [(1, "invalid_json"), (2, "invalid_json"),
+                                                             (3, "invalid_request")]
+    assert "NaN is not a JSON value" in got.errors[0]["message"]
+    assert "Infinity is not a JSON value" in got.errors[1]["message"]
+    assert got.errors[2]["message"] == "line 3: expected a JSON object, got null"  # was "got NoneType"
+
+
 def test_errors_are_capped_with_a_count_of_the_rest():
     got = check(*["nope"] * (MAX_ERRORS + 5))
     assert len(got.errors) == MAX_ERRORS + 1

@@ -228,6 +228,7 @@ def test_a_bad_value_names_its_field_in_param(server, field, value):
     ({"messages": "hi", "max_tokens": "8"}, 422, "invalid_type"),
     ({"max_tokens": 8}, 422, "invalid_type"),
     ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"}, 404, "model_not_found"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "invalid_json"),  # was taken
 ])
 def test_chat_errors_in_openai_shape(server, body, status, code):
     with server.client() as c:
