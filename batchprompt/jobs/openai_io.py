@@ -112,9 +112,32 @@ def output_line(row: Row, body: dict[str, Any], job: str = "") -> dict[str, Any]
             "error": None}
 
 
-def error_line(line: int, custom_id: str | None, code: str, message: str, job: str = "") -> dict[str, Any]:
-    """A failed row, in the shape of OpenAI's batch error file, plus the input line number."""
-    return {"id": _id("batch_req_", job, custom_id, line), "custom_id": custom_id, "response": None,
+#: Failures that are no HTTP answer (the batch ended before the request ran): OpenAI writes them
+#: with `error` alone and `response` null.
+NOT_HTTP = frozenset({"batch_expired", "batch_cancelled"})
+#: The HTTP status the endpoint answers an error code with, where it is not 400.
+STATUS = {"engine_error": 500, "request_failed": 500, "not_run": 503, "model_not_found": 404}
+#: OpenAI's error types: "invalid_request_error" for every 4xx but these (its SDK picks the
+#: exception class from the status, not the type).
+TYPES = {429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+
+
+def error_type(status: int) -> str:
+    return TYPES.get(status, "invalid_request_error")
+
+
+def error_line(line: int, custom_id: str | None, code: str, message: str, job: str = "",
+               param: str | None = None) -> dict[str, Any]:
+    """A failed row, as OpenAI's batch error file writes a request its endpoint refused:
+    `response` holds that HTTP status and the endpoint's error body. `error` (which OpenAI
+    leaves null there, and fills for a request the batch's end stopped) carries the code, the
+    message and the input line number here too, so that one field reads every failure."""
+    response = None
+    if code not in NOT_HTTP:
+        status = STATUS.get(code, 400)
+        response = {"status_code": status, "request_id": _id("req_", job, custom_id, line), "body": {
+            "error": {"message": message, "type": error_type(status), "param": param, "code": code}}}
+    return {"id": _id("batch_req_", job, custom_id, line), "custom_id": custom_id, "response": response,
             "error": {"code": code, "message": message, "line": line}}
 
 

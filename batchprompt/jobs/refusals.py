@@ -115,3 +115,22 @@ def chat_template_options(body: dict) -> dict:
             "continue_final_message": bool(body.get("continue_final_message")),
             "add_special_tokens": bool(body.get("add_special_tokens")),
             "template_kwargs": body.get("chat_template_kwargs") or {}}
+
+
+#: The body fields that ask for structured output, and the words their errors begin with.
+STRUCTURED_FIELDS = ("structured_outputs", "response_format", "guided_choice", "guided_regex", "guided_json",
+                     "guided_grammar")
+STRUCTURED_WORDS = ("choices", "regex", "grammar", "json_schema", "give")
+
+
+def param_named(message: str, body: dict) -> str | None:
+    """The body field an error message is about (they start with its name: "top_p must be ...";
+    a structured-output error names the option, which the body gave in one of its fields),
+    for the error's `param`, as OpenAI fills it."""
+    message = message.removeprefix("unknown option(s) ")  # the batch API's TypeError: the first is named
+    first = message.removeprefix("bad ").split(" ", 1)[0].rstrip(":,;").split(".", 1)[0]
+    if first in body:
+        return first
+    if first in STRUCTURED_WORDS:
+        return next((f for f in STRUCTURED_FIELDS if body.get(f) is not None), None)
+    return None

@@ -420,12 +420,13 @@ class JobRun:
                               replace(params, seed=params.seed + choice) for choice in range(n)]
             except Exception as e:  # any failure to prepare one row (a chat template that raises) is its own
                 if journal is not None:
+                    param = refusals.param_named(str(e), row.body) if code == "invalid_parameter" else None
                     if isinstance(e, refusals.Refused):
-                        code = e.code
+                        code, param = e.code, e.param
                     elif code == "invalid_parameter" and not isinstance(e, (TypeError, ValueError)):
                         code = "invalid_request"
                     journal.record(row.line, row.custom_id, False, openai_io.error_line(
-                        row.line, row.custom_id, code, f"line {row.line}: {e}", journal.job_id))
+                        row.line, row.custom_id, code, f"line {row.line}: {e}", journal.job_id, param))
                 continue
             p = Pending(row, n, [None] * n)
             for choice, cp in enumerate(per_choice):

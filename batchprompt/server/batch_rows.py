@@ -41,7 +41,7 @@ def plan_rows(rows: list[Row], tokenizer, max_model_len: int, job: str = "") -> 
             choices = plan_row(row, tokenizer, max_model_len)
         except ApiError as e:
             plan.refused.append((row, openai_io.error_line(row.line, row.custom_id, e.code or "invalid_request",
-                                                           f"line {row.line}: {e.message}", job)))
+                                                           f"line {row.line}: {e.message}", job, e.param)))
             continue
         except Exception as e:  # noqa: BLE001  (whatever fails to plan one request is its own error)
             plan.refused.append((row, openai_io.error_line(row.line, row.custom_id, "invalid_request",

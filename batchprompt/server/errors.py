@@ -11,13 +11,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from ..jobs.openai_io import error_type
 from ..jobs.storage import StorageError
 
 log = logging.getLogger("batchprompt")
 
-#: OpenAI's error types: "invalid_request_error" for every 4xx but these (its SDK picks the
-#: exception class from the status, not the type).
-TYPES = {429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
 
 class ApiError(Exception):
@@ -27,7 +25,7 @@ class ApiError(Exception):
 
 
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": TYPES.get(status, "invalid_request_error"),
+    return {"error": {"message": message, "type": error_type(status),
                       "param": param, "code": code}}
 
 

@@ -123,7 +123,7 @@ def _row(url: str, body: dict, rid: str) -> Row:
     row = job_rows.row_from_body(1, rid, url, body)
     if isinstance(row, RowError):
         message = row.message.removeprefix("line 1: ")
-        param = param_named(message, body)
+        param = refusals.param_named(message, body)
         code = "invalid_parameter" if param is not None and row.code == "invalid_request" else row.code
         raise ApiError(400, message, code, param)
     return row
@@ -136,27 +136,8 @@ def _params(row: Row, opts: JobOptions, tokenizer):
         if spec is not None:
             params = spec.sampling_params(params, tokenizer)
     except (TypeError, ValueError) as e:
-        raise ApiError(400, str(e), "invalid_parameter", param_named(str(e), row.body)) from None
+        raise ApiError(400, str(e), "invalid_parameter", refusals.param_named(str(e), row.body)) from None
     return params, n, spec
-
-
-#: The body fields that ask for structured output, and the words their errors begin with.
-STRUCTURED_FIELDS = ("structured_outputs", "response_format", "guided_choice", "guided_regex", "guided_json",
-                     "guided_grammar")
-STRUCTURED_WORDS = ("choices", "regex", "grammar", "json_schema", "give")
-
-
-def param_named(message: str, body: dict) -> str | None:
-    """The body field an error message is about (they start with its name: "top_p must be ...";
-    a structured-output error names the option, which the body gave in one of its fields),
-    for the error's `param`, as OpenAI fills it."""
-    message = message.removeprefix("unknown option(s) ")  # the batch API's TypeError: the first is named
-    first = message.removeprefix("bad ").split(" ", 1)[0].rstrip(":,;").split(".", 1)[0]
-    if first in body:
-        return first
-    if first in STRUCTURED_WORDS:
-        return next((f for f in STRUCTURED_FIELDS if body.get(f) is not None), None)
-    return None
 
 
 def _render(row: Row, tokenizer, max_model_len: int, what: str = "") -> list[int]:

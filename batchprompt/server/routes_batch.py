@@ -22,10 +22,10 @@ from fastapi.responses import JSONResponse
 
 from ..api.session import LanguageModel
 from ..backends import BULK, INTERACTIVE
+from ..jobs import refusals
 from . import waiting
 from .batches import AsyncBatch, check_callback_url
 from .errors import ApiError
-from .requests import param_named
 from .responses import progress_json, result_json
 from .schemas import BatchRequest, read_json
 from .state import ServerState
@@ -59,7 +59,7 @@ async def _prepare(request: Request, state: ServerState, body: dict, priority: i
     try:
         return await asyncio.to_thread(build)
     except (TypeError, ValueError) as e:  # an unknown option, a bad value, a bad system prompt
-        raise ApiError(400, str(e), "invalid_parameter", param_named(str(e), body)) from None
+        raise ApiError(400, str(e), "invalid_parameter", refusals.param_named(str(e), body)) from None
 
 
 @router.post("/v1/batch/sync")

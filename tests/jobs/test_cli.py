@@ -517,3 +517,8 @@ def test_rows_answer_as_the_server_answers_them(tmp_path):
                                                       .splitlines())}
     assert errors["sms-2"]["code"] == "invalid_parameter" and "stream_options" in errors["sms-2"]["message"]
     assert errors["sms-3"]["code"] == "invalid_parameter" and "top_logprobs" in errors["sms-3"]["message"]
+    # Each line holds the endpoint's answer, as OpenAI's error file does, with the field named.
+    bodies = {e["custom_id"]: e["response"] for e in map(json.loads, Path(str(out) + ".errors.jsonl").read_text()
+                                                         .splitlines())}
+    assert [(bodies[c]["status_code"], bodies[c]["body"]["error"]["param"]) for c in ("sms-2", "sms-3")] == [
+        (400, "stream_options"), (400, "top_logprobs")]

@@ -56,6 +56,10 @@ def test_round_trip(client):
     assert batch.usage.output_tokens == sum(x["response"]["body"]["usage"]["completion_tokens"] for x in out)
     [err] = lines_of(client, batch.error_file_id)
     assert err["custom_id"] == "empty" and err["error"]["line"] == 3 and err["error"]["code"] == "invalid_messages"
+    # As OpenAI writes a refused request: the endpoint's status and error body (it was null).
+    assert err["response"]["status_code"] == 400 and err["response"]["request_id"]
+    assert err["response"]["body"]["error"] == {"message": err["error"]["message"], "type": "invalid_request_error",
+                                                "param": None, "code": "invalid_messages"}
     meta = client.files.retrieve(batch.output_file_id)
     assert meta.purpose == "batch_output" and meta.bytes == len(client.files.content(batch.output_file_id).content)
 
@@ -109,6 +113,7 @@ def test_rows_are_answered_as_the_endpoint_answers_them(client):
         client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}],
                                        max_tokens=3, logit_bias={"99999999": 5})
     assert err["custom_id"] == "vocab" and err["error"]["code"] == e.value.code == "invalid_request"
+    assert err["response"]["status_code"] == e.value.status_code == 400
     assert "outside the vocabulary" in err["error"]["message"]
 
 
@@ -243,6 +248,7 @@ def test_output_readable_while_running_and_cancel_keeps_finished_rows(server, cl
     errors = lines_of(client, batch.error_file_id)
     assert [(x["custom_id"], x["error"]["code"]) for x in errors] == [("long1", "batch_cancelled"),
                                                                        ("long2", "batch_cancelled")]
+    assert all(x["response"] is None for x in errors)  # no HTTP answer: OpenAI's `error` alone
     server.wait_until(lambda s: s["engine"]["running"] == 0 and s["engine"]["waiting"] == 0,
                       "the engine dropped the cancelled requests")
     assert client.batches.cancel(batch.id).status == "cancelled"  # again: the same answer
