@@ -159,10 +159,21 @@ def _read_table(raw: bytes, fmt: str, path: str):
         if fmt == "parquet":
             return pq.read_table(pa.BufferReader(raw))
         delimiter = "\t" if path.endswith(".tsv") else ","
-        # Not checking UTF-8 here keeps text columns text (checked, pyarrow would turn a column
-        # with one bad byte into binary); _replace_invalid_utf8 repairs them. pyarrow skips a BOM.
-        return pacsv.read_csv(pa.BufferReader(raw), parse_options=pacsv.ParseOptions(delimiter=delimiter),
-                              convert_options=pacsv.ConvertOptions(strings_can_be_null=False, check_utf8=False))
+
+        def read(block_size: int | None = None):
+            # Not checking UTF-8 here keeps text columns text (checked, pyarrow would turn a column
+            # with one bad byte into binary); _replace_invalid_utf8 repairs them. pyarrow skips a BOM.
+            return pacsv.read_csv(pa.BufferReader(raw), read_options=pacsv.ReadOptions(block_size=block_size),
+                                  parse_options=pacsv.ParseOptions(delimiter=delimiter),
+                                  convert_options=pacsv.ConvertOptions(strings_can_be_null=False, check_utf8=False))
+        try:
+            return read()
+        except pa.ArrowInvalid as e:
+            if "straddl" not in str(e):
+                raise
+            # A cell larger than pyarrow's 1 MiB block (a document of megabytes): the whole file as
+            # one block. That row is then refused as too long for the context, alone.
+            return read(min(len(raw) + 1, 2**31 - 1))
     except (pa.ArrowInvalid, OSError) as e:
         raise InputError(f"{path}: cannot read it as {fmt}: {e}") from e
 

@@ -172,6 +172,15 @@ def test_a_byte_order_mark_is_skipped(tmp_path):
     assert read_input(str(p), "text").rows[0].messages[0]["content"] == "hello"
 
 
+def test_a_csv_cell_larger_than_a_read_block_is_read(tmp_path):
+    # A 2 MB cell stopped the whole job: "straddling object straddles two block boundaries".
+    big = "hello world " * 175_000
+    p = tmp_path / "t.csv"
+    p.write_text(f'id,text\n1,"{big}"\n2,hi\n')
+    rows = read_input(str(p), "text").rows
+    assert [r.messages[0]["content"] for r in rows] == [big, "hi"]
+
+
 def test_invalid_utf8_is_replaced_and_counted(tmp_path):
     raw = lines({"prompt": "ok"}, {"prompt": "caf\udce9"}, {"prompt": "fine"}).replace(b"\\udce9", b"\xe9")
     rows = read_jsonl(raw)
