@@ -19,6 +19,7 @@ import weakref
 from typing import Any, AsyncIterator, Iterable, Iterator, Sequence
 
 from ..engine import LLMEngine
+from ..models.tokenizer import TooManyTokens
 from .batch import Batch
 from .items import Prepared, check_errors
 from .messages import check_messages, with_default_system
@@ -76,11 +77,11 @@ class LanguageModel:
         return cls(service, initial, opts)
 
     # ---- the prefix ------------------------------------------------------------------------
-    def _render_ids(self, messages: list[Message]) -> list[int]:
+    def _render_ids(self, messages: list[Message], limit: int | None = None) -> list[int]:
         tok = self._service.tokenizer
         if tok is None:
             raise ValueError("this engine has no tokenizer: the batch API needs one to render prompts")
-        return tok.encode_prompt(messages)
+        return tok.encode_prompt(messages, limit=limit)
 
     def _prefix_ids(self) -> list[int]:
         """The tokens every prompt of this session starts with: the common start of two
@@ -107,9 +108,14 @@ class LanguageModel:
             raise TypeError("batch_prompt takes a list of prompts; for one prompt use prompt()")
         params, spec = self.options.merged(options).sampling_params(self._service.tokenizer)
         out = []
+        limit = getattr(self._service, "max_model_len", None)
         for i, prompt in enumerate(prompts):
             try:
-                out.append(Prepared(i, self._render_ids(self._messages(prompt)), params, spec=spec))
+                out.append(Prepared(i, self._render_ids(self._messages(prompt), limit), params, spec=spec))
+            except TooManyTokens as e:  # by its length alone: refused without tokenizing megabytes
+                out.append(Prepared(i, None, params, f"the prompt has at least {e.at_least} tokens, but the context "
+                                                     f"holds {e.limit} (prompt plus at least one generated token): "
+                                                     f"shorten the prompt"))
             except (TypeError, ValueError, KeyError) as e:
                 out.append(Prepared(i, None, params, f"prompt {i} cannot be rendered: {e}"))
         return out

@@ -135,8 +135,10 @@ def error_line(line: int, custom_id: str | None, code: str, message: str, job: s
     response = None
     if code not in NOT_HTTP:
         status = STATUS.get(code, 400)
-        response = {"status_code": status, "request_id": _id("req_", job, custom_id, line), "body": {
-            "error": {"message": message, "type": error_type(status), "param": param, "code": code}}}
+        response = {"status_code": status, "request_id": _id("req_", job, custom_id, line), "body": {  # as the
+            # endpoint words it: the line number is the file's, in `error.line`
+            "error": {"message": message.removeprefix(f"line {line}: "), "type": error_type(status), "param": param,
+                      "code": code}}}
     return {"id": _id("batch_req_", job, custom_id, line), "custom_id": custom_id, "response": response,
             "error": {"code": code, "message": message, "line": line}}
 

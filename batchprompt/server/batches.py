@@ -132,7 +132,7 @@ class Webhooks:
                 if resp.status_code < 500 and resp.status_code not in (408, 429):
                     break
             except httpx.HTTPError as e:
-                record["last_error"] = f"{type(e).__name__}: {e}"
+                record["last_error"] = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__  # a timeout says nothing
             if self.stopping:
                 break
             if attempt < self.attempts:
