@@ -132,7 +132,8 @@ class Webhooks:
                 if resp.status_code < 500 and resp.status_code not in (408, 429):
                     break
             except httpx.HTTPError as e:
-                record["last_error"] = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__  # a timeout says nothing
+                # A timeout's message is empty: its type alone says what happened.
+                record["last_error"] = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             if self.stopping:
                 break
             if attempt < self.attempts:
