@@ -35,8 +35,9 @@ if TYPE_CHECKING:
 # (see LLMEngine.step); a shorter one is over before pausing would gain much.
 PAUSE_MIN_S = 0.1
 # The steps run inside one step take at most this many times its predicted time (and at least
-# PAUSE_MIN_S that many times): under a steady stream of urgent requests, the step's own
-# requests still get a fifth of the time.
+# PAUSE_MIN_S that many times), or that many times its own time so far where that is more (a
+# step slower than predicted, or one of a size never measured, as a fresh engine's first):
+# under a steady stream of urgent requests, the step's own requests still get a fifth of the time.
 INSIDE_SHARE = 4.0
 
 
@@ -72,7 +73,8 @@ class LLMEngine:
         self.grammars = GrammarCompiler(tokenizer.hf, args.vocab_size, self.eos_token_ids) if tokenizer else None
         self._outer: SchedulerOutput | None = None  # the step in progress, while it may pause
         self._inside_s = 0.0  # the time of the steps run inside it so far ...
-        self._inside_max_s = 0.0  # ... and their limit
+        self._inside_max_s = 0.0  # ... and their limit from its predicted time
+        self._outer_t0 = 0.0  # when it began
         self.inside_pending = False  # whether it left out requests that its first pause should run
         self._left_out_unrun = False  # the last step left requests out and did not run them
 
@@ -238,9 +240,11 @@ class LLMEngine:
         of the step in progress (Scheduler.schedule_inside), which stays half computed meanwhile,
         and return what it finished. None when there is nothing to run (or no free memory for
         it), outside a pause, or once the steps inside this one took `INSIDE_SHARE` times its
-        predicted time: its own requests still get their turn."""
+        predicted time or its own time so far, whichever is more: its own requests still get
+        their turn."""
         outer = self._outer
-        if outer is None or self._inside_s >= self._inside_max_s:
+        own_s = time.perf_counter() - self._outer_t0 - self._inside_s
+        if outer is None or self._inside_s >= max(self._inside_max_s, INSIDE_SHARE * own_s):
             self.inside_pending = False
             return None
         t0 = time.perf_counter()
@@ -333,6 +337,7 @@ class LLMEngine:
             return self.runner.execute(sched)
         self._outer, before = sched, self._stats.inside_steps
         self._inside_max_s = INSIDE_SHARE * max(predicted or 0.0, PAUSE_MIN_S)
+        self._outer_t0 = time.perf_counter()
         self.inside_pending = deferred  # the first pause runs them, whether or not more came
         try:
             if deferred:  # ... and comes before the first layer: they need not wait for it

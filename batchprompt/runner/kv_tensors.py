@@ -7,6 +7,11 @@ from ..models.attention import LayerCache
 from ..models.config import ModelArgs
 
 
+#: Spare blocks a growth adds beyond what the step asks: a share of it, at least a minimum.
+SPARE_SHARE = 0.25
+SPARE_MIN_BLOCKS = 64
+
+
 class KVTensors:
     def __init__(self, args: ModelArgs, block_size: int, dtype: torch.dtype, device: torch.device):
         self.args, self.block_size, self.dtype, self.device = args, block_size, dtype, device
@@ -24,10 +29,16 @@ class KVTensors:
         return self.k.numel() * self.k.element_size() * 2
 
     def ensure(self, num_blocks: int, max_blocks: int) -> None:
-        """Hold at least `num_blocks` blocks; grows by doubling (never past `max_blocks`)."""
+        """Hold at least `num_blocks` blocks; grows by doubling, or to `num_blocks` plus spare
+        blocks (SPARE_SHARE of them, at least SPARE_MIN_BLOCKS) where that is more (never past
+        `max_blocks`). The spare
+        blocks are what a step run inside this one (a chat arriving mid-step) can take: the
+        tensors cannot grow under a paused step, so a growth to the exact size made the first
+        chat beside a long prompt wait for that prompt's whole step."""
         if num_blocks <= self.capacity_blocks:
             return
-        new_cap = min(max(num_blocks, 2 * self.capacity_blocks, 64), max_blocks)
+        spare = max(SPARE_MIN_BLOCKS, int(num_blocks * SPARE_SHARE))
+        new_cap = min(max(num_blocks + spare, 2 * self.capacity_blocks), max_blocks)
         a = self.args
         shape = (a.num_layers, new_cap * self.block_size, a.num_kv_heads, a.head_dim)
         k = torch.zeros(shape, dtype=self.dtype, device=self.device)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from batchprompt.engine import engine as engine_module
+from batchprompt.runner import kv_tensors
 
 from .test_engine import GREEDY, engine, tiny_model  # noqa: F401  (fixture)
 
@@ -88,8 +89,10 @@ def test_nothing_runs_inside_a_step_that_has_a_request_of_the_same_rank(tiny_mod
     assert {first, arrival.rid} == set(outs)
 
 
-def test_a_request_the_kv_tensors_cannot_hold_without_growing_waits_for_the_step(tiny_model):
+def test_a_request_the_kv_tensors_cannot_hold_without_growing_waits_for_the_step(tiny_model, monkeypatch):
     """Growing the KV tensors replaces them, under the paused step: such a request runs after it."""
+    monkeypatch.setattr(kv_tensors, "SPARE_MIN_BLOCKS", 0)  # no spare blocks beyond the doubling
+    monkeypatch.setattr(kv_tensors, "SPARE_SHARE", 0.0)
     bulk = random_prompts(4, seed=3)
     chat = random_prompts(1, seed=4, lo=240, hi=241)[0]  # 60 blocks: with the bulk's, past the first 64
     eng = engine(tiny_model, max_num_batched_tokens=512)
@@ -114,6 +117,38 @@ def test_steps_inside_one_step_are_bounded_so_the_lower_class_still_gets_tokens(
     rest = run(eng)
     assert rest[arrival.rid].output_token_ids == alone(tiny_model, arrival.prompt)
     assert rest[bulk].output_token_ids == alone(tiny_model, random_prompts(1, seed=5)[0])
+
+
+def test_a_step_of_a_size_never_measured_holds_steps_inside_for_its_own_time(tiny_model, monkeypatch):
+    """A fresh engine's first step has no predicted time: the steps inside it were held to
+    INSIDE_SHARE times PAUSE_MIN_S, so on a fresh server the first chat beside a long batch
+    step waited for that whole step (4 s to 40 s where a warm server answers in 0.6 s). The
+    step's own time so far now counts too."""
+    monkeypatch.setattr(engine_module, "INSIDE_SHARE", 1e6)  # of the step's own time: ample
+    eng = engine(tiny_model, max_num_batched_tokens=512)
+    assert eng.scheduler.cost.seconds(100) is None  # nothing measured yet
+    bulk = eng.add_request(random_prompts(1, seed=7, lo=200, hi=201)[0], GREEDY, priority=BULK)
+    arrival = Arrival(eng, random_prompts(1, seed=8)[0], INTERACTIVE)
+    eng.step(arrival)
+    assert [o.request_id for o in arrival.inside] == [arrival.rid]
+    assert arrival.inside[0].output_token_ids == alone(tiny_model, arrival.prompt)
+    rest = run(eng)
+    assert rest[bulk].output_token_ids == alone(tiny_model, random_prompts(1, seed=7, lo=200, hi=201)[0])
+
+
+def test_the_first_growth_leaves_spare_blocks_for_a_request_arriving_mid_step(tiny_model):
+    """A fresh engine grew its KV tensors to exactly the blocks of the first step: a chat arriving
+    during a long prompt's prefill needed blocks past them, and waited for the whole step (29 s
+    on a fresh server where a warm one answered in 0.3 s)."""
+    eng = engine(tiny_model, max_num_batched_tokens=512)
+    prompt = random_prompts(1, seed=9, lo=250, hi=251)[0]  # 63 blocks: past the old first growth's 64
+    bulk = [eng.add_request(prompt, GREEDY, priority=BULK), eng.add_request(prompt[::-1], GREEDY, priority=BULK)]
+    arrival = Arrival(eng, random_prompts(1, seed=10)[0], INTERACTIVE)
+    eng.step(arrival)
+    assert [o.request_id for o in arrival.inside] == [arrival.rid]
+    assert arrival.inside[0].output_token_ids == alone(tiny_model, arrival.prompt)
+    rest = run(eng)
+    assert [rest[b].output_token_ids for b in bulk] == [alone(tiny_model, prompt), alone(tiny_model, prompt[::-1])]
 
 
 def test_step_inside_outside_a_step_runs_nothing(tiny_model):
