@@ -86,7 +86,7 @@ class JobSummary:
 
     def _headline(self) -> str:
         if self.estimate_seconds is not None:
-            return (f"dry run: {self.rows} rows ({self.failed} unreadable), {self.prompt_tokens:,} prompt "
+            return (f"dry run: {self.rows} rows ({self.failed} that cannot run), {self.prompt_tokens:,} prompt "
                     f"tokens; estimated run time {_duration(self.estimate_seconds)}")
         if self.already_complete:
             return (f"{self.rows} rows: {self.ok} ok, {self.failed} failed, all from an earlier run; "

@@ -19,3 +19,9 @@ def test_notes_follow_the_headline():
                           notes=["ignored unknown body fields: foo (1 row)"]))
     assert text.splitlines()[1] == "ignored unknown body fields: foo (1 row)"
     assert "10 tok/s" in text.splitlines()[0]
+
+
+def test_a_dry_run_does_not_call_rows_too_long_unreadable():
+    # A row refused for its length was counted as "unreadable".
+    text = str(JobSummary(rows=3, failed=1, prompt_tokens=40, estimate_seconds=2.0))
+    assert text.startswith("dry run: 3 rows (1 that cannot run), 40 prompt tokens")
