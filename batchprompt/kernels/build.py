@@ -10,6 +10,7 @@ are the same, only slower.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -96,8 +97,38 @@ def _build():
     # PyTorch's builder runs $CXX, else c++ (torch.utils.cpp_extension.get_cxx_compiler).
     compiler = compiler_version(os.environ.get("CXX", "c++"))
     name = extension_name(sources, _CFLAGS, compiler, cpu_identity())
-    return load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=list(_CFLAGS),
-                verbose=os.environ.get("BATCHPROMPT_KERNELS_VERBOSE") == "1")
+    with _one_builder(name):
+        return load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=list(_CFLAGS),
+                    verbose=os.environ.get("BATCHPROMPT_KERNELS_VERBOSE") == "1")
+
+
+@contextlib.contextmanager
+def _one_builder(name: str):
+    """PyTorch's builder marks a build in progress with a `lock` file in the build folder (also
+    for the quick check that finds the build up to date, on every start). A process killed then
+    (kill -9, a timeout, a test's teardown) leaves the file behind, and every later process
+    waited for it forever. An OS lock, which the system releases however its holder dies,
+    makes our builds take turns; its holder knows that a `lock` file there is stale."""
+    try:
+        import fcntl
+        from torch.utils.cpp_extension import _get_build_directory
+
+        folder = Path(_get_build_directory(name, verbose=False))
+        handle = open(folder / "batchprompt.flock", "a+")
+    except Exception:  # noqa: BLE001  (not POSIX, or PyTorch moved it: its own lock alone)
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # another process's build: wait for it (it ends or dies)
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a build that was killed (it would make every start wait "
+                            "forever)", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _load():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,3 +98,30 @@ def test_a_failed_build_says_so_once_as_a_warning(monkeypatch, fresh_log):
     records = [r for r in fresh_log.records if r.name == "batchprompt"]
     assert len(records) == 1 and records[0].levelno == logging.WARNING
     assert "command not found" in records[0].getMessage()
+
+
+@pytest.mark.slow
+def test_a_lock_left_by_a_killed_build_does_not_stop_the_next_start(tmp_path):
+    """PyTorch's builder leaves a `lock` file in the build folder when its process is killed at
+    that moment (on every start it takes the lock to check the build): every later start then
+    waited for it forever, the engine thread stuck in FileBaton.wait."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    name = build.extension_name(b"".join(p.read_bytes() for p in build._SOURCES + build._HEADERS), build._CFLAGS,
+                                build.compiler_version(os.environ.get("CXX", "c++")), build.cpu_identity())
+    built = Path(_get_build_directory(name, verbose=False))  # this machine's build (make install made it)
+    ours = tmp_path / "py_cpu"
+    if (built / f"{name}.so").exists():
+        shutil.copytree(built, ours / name, ignore=shutil.ignore_patterns("lock", "*.flock"))
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ours)}
+    code = "import sys; from batchprompt.kernels import build; sys.exit(build._load() is None)"
+    subprocess.run([sys.executable, "-c", code], env=env, timeout=600, check=True)  # built (or found) here
+    (ours / name / "lock").touch()  # what a build killed mid-way leaves
+    done = subprocess.run([sys.executable, "-c", code], env=env, timeout=180, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert not (ours / name / "lock").exists()
