@@ -19,6 +19,7 @@ import weakref
 from typing import Any, AsyncIterator, Iterable, Iterator, Sequence
 
 from ..engine import LLMEngine
+from ..engine.engine import prompt_too_long
 from ..models.tokenizer import TooManyTokens
 from .batch import Batch
 from .items import Prepared, check_errors
@@ -113,9 +114,7 @@ class LanguageModel:
             try:
                 out.append(Prepared(i, self._render_ids(self._messages(prompt), limit), params, spec=spec))
             except TooManyTokens as e:  # by its length alone: refused without tokenizing megabytes
-                out.append(Prepared(i, None, params, f"the prompt has at least {e.at_least} tokens, but the context "
-                                                     f"holds {e.limit} (prompt plus at least one generated token): "
-                                                     f"shorten the prompt"))
+                out.append(Prepared(i, None, params, prompt_too_long(f"at least {e.at_least}", e.limit)))
             except (TypeError, ValueError, KeyError) as e:
                 out.append(Prepared(i, None, params, f"prompt {i} cannot be rendered: {e}"))
         return out

@@ -41,6 +41,13 @@ PAUSE_MIN_S = 0.1
 INSIDE_SHARE = 4.0
 
 
+def prompt_too_long(tokens: str, max_model_len: int) -> str:
+    """A prompt's error where it has `tokens` tokens ("5000", "at least 80000"), too many for
+    the context ("shorten the prompt": the code context_length_exceeded, openai_io.failure_code)."""
+    return (f"the prompt has {tokens} tokens, but the context holds {max_model_len} (prompt plus at least one "
+            f"generated token): shorten the prompt")
+
+
 class LLMEngine:
     """Add requests at any time; each `step()` runs one batch and returns finished requests."""
 
@@ -145,8 +152,7 @@ class LLMEngine:
         if not ids:
             return "the prompt is empty: give at least one token"
         if len(ids) >= self.max_model_len:
-            return (f"the prompt has {len(ids)} tokens, but the context holds {self.max_model_len} "
-                    f"(prompt plus at least one generated token): shorten the prompt")
+            return prompt_too_long(str(len(ids)), self.max_model_len)
         vocab = self.model.args.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             return f"the prompt has token ids outside the vocabulary [0, {vocab})"

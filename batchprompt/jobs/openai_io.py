@@ -135,16 +135,47 @@ def error_line(line: int, custom_id: str | None, code: str, message: str, job: s
     response = None
     if code not in NOT_HTTP:
         status = STATUS.get(code, 400)
-        response = {"status_code": status, "request_id": _id("req_", job, custom_id, line), "body": {  # as the
-            # endpoint words it: the line number is the file's, in `error.line`
-            "error": {"message": message.removeprefix(f"line {line}: "), "type": error_type(status), "param": param,
-                      "code": code}}}
+        # The body's message as the endpoint words it: the file's line number is in `error.line`.
+        body = {"error": {"message": message.removeprefix(f"line {line}: "), "type": error_type(status),
+                          "param": param, "code": code}}
+        response = {"status_code": status, "request_id": _id("req_", job, custom_id, line), "body": body}
     return {"id": _id("batch_req_", job, custom_id, line), "custom_id": custom_id, "response": response,
             "error": {"code": code, "message": message, "line": line}}
 
 
 def row_error_line(err: RowError, job: str = "") -> dict[str, Any]:
     return error_line(err.line, err.custom_id, err.code, err.message, job)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A request's line once all its choices are in: its output line, or its error line."""
+    ok: bool
+    record: dict[str, Any]
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def answer(row: Row, choices: Sequence[Result], model: str, created: int, token_text, job: str = "",
+           rerun_note: str | None = None) -> Answer:
+    """The line of a request whose choices are all in (the Batch API's and `batchprompt run`'s).
+    `rerun_note`: a failure for want of a backend (a retryable choice) is `not_run`, with that
+    note, rather than the request's own error."""
+    failed = failed_choice(choices)
+    if failed is not None:
+        code, message = failure_code(failed.error), f"line {row.line}: {failed.error}"
+        if rerun_note is not None and any(c.retryable for c in choices):
+            code, message = "not_run", f"{message} ({rerun_note})"
+        return Answer(False, error_line(row.line, row.custom_id, code, message, job))
+    try:
+        body = response_body(row, choices, model, created, token_text, job)
+    except Exception as e:  # noqa: BLE001  (an answer that cannot be shaped is its request's error)
+        return Answer(False, error_line(row.line, row.custom_id, "request_failed",
+                                        f"line {row.line}: {type(e).__name__}: {e}", job))
+    usage = body["usage"]
+    return Answer(True, output_line(row, body, job), usage["prompt_tokens"], usage["completion_tokens"],
+                  usage["prompt_tokens_details"]["cached_tokens"])
 
 
 def now() -> int:

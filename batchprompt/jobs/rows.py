@@ -274,11 +274,17 @@ def parse_line(n: int, line: str) -> Row | RowError:
     return row_from_body(n, cid, CHAT if "messages" in obj else COMPLETION_OR_CHAT, body)
 
 
+def custom_id_wanted(cid: Any) -> str | None:
+    """What a line's custom_id lacks ("a custom_id, a non-empty string ..."), or None if it is one."""
+    if isinstance(cid, str) and cid:
+        return None
+    return "a custom_id, a non-empty string" + (" (it is empty)" if cid == "" else "")
+
+
 def _openai_row(n: int, obj: dict) -> Row | RowError:
     cid = obj.get("custom_id")
-    if not isinstance(cid, str) or not cid:
-        return RowError(n, None, "missing_custom_id", f"line {n}: an OpenAI batch line needs a custom_id, a "
-                                                      f"non-empty string" + (" (it is empty)" if cid == "" else ""))
+    if (wanted := custom_id_wanted(cid)) is not None:
+        return RowError(n, None, "missing_custom_id", f"line {n}: an OpenAI batch line needs {wanted}")
     method = obj.get("method", "POST")
     if method != "POST":
         return RowError(n, cid, "invalid_method", f"line {n}: method must be POST, got {method!r}")

@@ -491,12 +491,14 @@ class JobRun:
                     p.choices[choice] = result
                     if any(c is None for c in p.choices):
                         continue
-                    ok, record, usage = self._answer(p, model_name, created, token_text, journal.job_id)
-                    errors += not ok
-                    if not ok and any(c.retryable for c in p.choices):
-                        self._not_run[p.row.line] = record_json(record)
+                    a = openai_io.answer(p.row, p.choices, model_name, created, token_text, journal.job_id,
+                                         rerun_note="the row did not run: run the same command again to run it")
+                    errors += not a.ok
+                    if not a.ok and any(c.retryable for c in p.choices):
+                        self._not_run[p.row.line] = record_json(a.record)
                     else:
-                        journal.record(p.row.line, p.row.custom_id, ok, record, *usage)
+                        journal.record(p.row.line, p.row.custom_id, a.ok, a.record, a.prompt_tokens,
+                                       a.completion_tokens)
                     summary.run_rows += 1
                     summary.run_completion_tokens += sum(c.usage.completion_tokens for c in p.choices)
                     if bar is not None:
@@ -517,26 +519,6 @@ class JobRun:
         journal.flush()
         return interrupted_by
 
-    @staticmethod
-    def _answer(p: Pending, model_name: str, created: int, token_text, job: str) -> tuple[bool, dict, tuple[int, int]]:
-        """(ok, journal record, (prompt, completion) tokens) of a row whose choices are all in."""
-        row = p.row
-        failed = openai_io.failed_choice(p.choices)
-        if failed is not None:
-            code = openai_io.failure_code(failed.error)
-            message = f"line {row.line}: {failed.error}"
-            if any(c.retryable for c in p.choices):
-                code, message = "not_run", f"{message} (the row did not run: run the same command again to run it)"
-            return False, openai_io.error_line(row.line, row.custom_id, code, message, job), (0, 0)
-        try:
-            body = openai_io.response_body(row, p.choices, model_name, created, token_text, job)
-        except Exception as e:  # one row's answer that cannot be shaped is that row's error, not the job's
-            return False, openai_io.error_line(row.line, row.custom_id, "request_failed",
-                                               f"line {row.line}: {type(e).__name__}: {e}", job), (0, 0)
-        return (True, openai_io.output_line(row, body, job),
-                (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]))
-
-    # ---- outputs ----------------------------------------------------------------------------
     def _write_outputs(self, table: Table, journal: Journal, errors_path: str | None) -> None:
         if self.opts.format == "table":
             self._write_table(table, journal)

@@ -53,9 +53,8 @@ def check_input(raw: bytes, endpoint: str, model_id: str, model_names: Iterable[
         if obj is None:
             continue
         cid = obj.get("custom_id")
-        if not isinstance(cid, str) or not cid:
-            fail(n, "missing_custom_id", f"line {n}: each line needs a custom_id, a non-empty string"
-                     + (" (it is empty)" if cid == "" else ""), "custom_id")
+        if (wanted := job_rows.custom_id_wanted(cid)) is not None:
+            fail(n, "missing_custom_id", f"line {n}: each line needs {wanted}", "custom_id")
             continue
         problem = _request_problem(n, obj, endpoint, model_id, models)
         if problem is not None:

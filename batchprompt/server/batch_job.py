@@ -26,7 +26,7 @@ from ..jobs.journal import Journal
 from ..jobs.rows import Row, RowError
 from ..jobs.storage import StorageError, write_atomic
 from .batch_input import Checked, check_input
-from .batch_rows import Plan, answer, plan_rows, refused_line, unfinished_line
+from .batch_rows import Plan, plan_rows, refused_line, unfinished_line
 from .errors import ApiError
 
 if TYPE_CHECKING:
@@ -224,7 +224,7 @@ class BatchJob:
             pending.choices[choice] = result
             if any(c is None for c in pending.choices):
                 continue
-            a = answer(pending, model, created, token_text, self.id)
+            a = openai_io.answer(pending.row, pending.choices, model, created, token_text, self.id)
             await self.api.io(self._record, journal, pending.row.line, pending.row.custom_id, a.ok, a.record,
                               a.prompt_tokens, a.completion_tokens, a.cached_tokens)
 

@@ -4,7 +4,7 @@ writes (jobs/openai_io.py). Requests are planned as the endpoints plan a body (r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..api.batch import Prepared
 from ..api.result import Result
@@ -52,32 +52,6 @@ def plan_rows(rows: list[Row], tokenizer, max_model_len: int, job: str = "") -> 
             plan.items.append(Prepared(len(plan.items), c.token_ids, c.params, spec=c.spec))
             plan.owners.append((pending, c.index))
     return plan
-
-
-@dataclass(frozen=True)
-class Answer:
-    ok: bool
-    record: dict[str, Any]  # the output line, or the error line
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-
-
-def answer(p: Pending, model: str, created: int, token_text: Callable[[int], str], job: str = "") -> Answer:
-    """The line of a request whose choices are all in."""
-    row = p.row
-    failed = openai_io.failed_choice(p.choices)
-    if failed is not None:
-        return Answer(False, openai_io.error_line(row.line, row.custom_id, openai_io.failure_code(failed.error),
-                                                  f"line {row.line}: {failed.error}", job))
-    try:
-        body = openai_io.response_body(row, p.choices, model, created, token_text, job)
-    except Exception as e:  # noqa: BLE001  (an answer that cannot be shaped is its request's error)
-        return Answer(False, openai_io.error_line(row.line, row.custom_id, "request_failed",
-                                                  f"line {row.line}: {type(e).__name__}: {e}", job))
-    usage = body["usage"]
-    return Answer(True, openai_io.output_line(row, body, job), usage["prompt_tokens"], usage["completion_tokens"],
-                  usage["prompt_tokens_details"]["cached_tokens"])
 
 
 def refused_line(err: RowError, job: str = "") -> dict[str, Any]:

@@ -23,9 +23,8 @@ def failure(results: Sequence[Result]) -> ApiError | None:
 
 def result_error(r: Result) -> ApiError:
     message = r.error or "the request failed"
-    code = openai_io.failure_code(message)
-    # The engine failed or stopped, or a model step raised: the server's failure, not the request's.
-    return ApiError(500 if code == "engine_error" else 400, message, code)
+    code = openai_io.failure_code(message)  # engine_error (the server's fault, a 500) or the request's
+    return ApiError(openai_io.STATUS.get(code, 400), message, code)
 
 
 def response_id(plan: Plan, chat: bool) -> str:
