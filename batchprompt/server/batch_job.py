@@ -114,13 +114,21 @@ class BatchJob:
                 log.exception("batch %s: the requests that finished could not be written to its files", self.id)
         errors = _errors([{"code": "internal_error", "line": None, "param": None,
                            "message": f"{type(error).__name__}: {error}"}])
-        await self._record_end(sizes, status="failed", failed_at=int(time.time()), errors=errors)
+        await self._record_end(batch, sizes, status="failed", failed_at=int(time.time()), errors=errors)
 
-    async def _record_end(self, sizes: dict[str, int], **changes) -> None:
-        """The batch's end in the store: its files' sizes, `changes`, its request counts and usage."""
+    async def _record_end(self, batch: dict[str, Any], sizes: dict[str, int], **changes) -> None:
+        """The batch's end in the store: its files' sizes, `changes`, its request counts and usage.
+        An output or error file left empty is dropped and its id becomes null, as OpenAI has it
+        (no output file when every request failed, no error file when none did)."""
         counts, usage = self.counts.json()
+        dropped = tuple(file_id for file_id, size in sizes.items() if size == 0)
+        for key in ("output_file_id", "error_file_id"):
+            if batch[key] in dropped:
+                changes[key] = None
         await asyncio.to_thread(self.api.store.finish_batch, self.id, sizes,
-                                dict(changes, request_counts=counts, usage=usage))
+                                dict(changes, request_counts=counts, usage=usage), dropped)
+        for file_id in dropped:
+            self.api.dir.file_path(file_id).unlink(missing_ok=True)
 
     async def _run(self) -> None:
         status = self.batch["status"]
@@ -256,7 +264,7 @@ class BatchJob:
         batch = await api.ensure_files(self.id)
         sizes = await api.io(self._write_files, journal, batch["output_file_id"], batch["error_file_id"])
         at = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[ending]
-        await self._record_end(sizes, status=ending, **{at: int(time.time())})
+        await self._record_end(batch, sizes, status=ending, **{at: int(time.time())})
 
     def _write_files(self, journal: Journal, output_id: str, error_id: str) -> dict[str, int]:
         """Both files, from the journal, in input order (on the io thread); their sizes."""

@@ -103,11 +103,16 @@ class Store:
         with self._tx(write=True) as db:
             return _merge(db, batch_id, changes)
 
-    def finish_batch(self, batch_id: str, sizes: dict[str, int], changes: dict[str, Any]) -> dict[str, Any]:
-        """A batch's end, in one transaction: its files' final sizes, its final status."""
+    def finish_batch(self, batch_id: str, sizes: dict[str, int], changes: dict[str, Any],
+                     dropped: tuple[str, ...] = ()) -> dict[str, Any]:
+        """A batch's end, in one transaction: its files' final sizes, the records of its files
+        in `dropped` gone (empty ones, which the batch no longer names), its final status."""
         with self._tx(write=True) as db:
             for file_id, size in sizes.items():
-                db.execute("UPDATE files SET bytes = ?, status = 'processed' WHERE id = ?", (size, file_id))
+                if file_id in dropped:
+                    db.execute("DELETE FROM files WHERE id = ?", (file_id,))
+                else:
+                    db.execute("UPDATE files SET bytes = ?, status = 'processed' WHERE id = ?", (size, file_id))
             return _merge(db, batch_id, changes)
 
     def list_batches(self, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:

@@ -60,4 +60,5 @@ def wait_ended(client: openai.OpenAI, batch_id: str, timeout: float = WAIT_S) ->
 
 
 def lines_of(client: openai.OpenAI, file_id: str) -> list[dict]:
+    assert file_id is not None, "the batch names no such file"
     return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]

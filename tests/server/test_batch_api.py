@@ -88,7 +88,22 @@ def test_a_batch_whose_every_request_is_refused_ends(client):
     assert batch.status == "completed", batch
     assert batch.request_counts.model_dump() == {"total": 3, "completed": 0, "failed": 3}
     assert [e["custom_id"] for e in lines_of(client, batch.error_file_id)] == ["r0", "r1", "r2"]
-    assert lines_of(client, batch.output_file_id) == []
+    assert batch.output_file_id is None  # as OpenAI: no output file when every request failed
+
+
+def test_an_empty_output_or_error_file_is_not_named(client):
+    """As OpenAI: a batch with no failed request has error_file_id null (it named an empty file,
+    which then stayed in the file list); the empty file is gone, not only unnamed."""
+    before = {f.id for f in client.files.list(limit=10000)}
+    batch = client.batches.create(input_file_id=upload(client, [chat_line("ok", "Hi", max_tokens=2)]).id,
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    batch = wait_ended(client, batch.id)
+    assert batch.status == "completed" and batch.request_counts.model_dump() == {"total": 1, "completed": 1,
+                                                                                 "failed": 0}, batch
+    assert batch.error_file_id is None and [x["custom_id"] for x in lines_of(client, batch.output_file_id)] == ["ok"]
+    made = {f.id for f in client.files.list(limit=10000)} - before
+    assert made == {batch.input_file_id, batch.output_file_id}
+    assert [b for b in client.batches.list(limit=100) if b.id == batch.id][0].error_file_id is None
 
 
 def test_rows_are_answered_as_the_endpoint_answers_them(client):
@@ -281,7 +296,9 @@ def test_expired_batch_keeps_what_finished(client):
     assert batch.status == "expired" and batch.expired_at is not None and batch.expired_at >= batch.expires_at - 1
     counts = batch.request_counts
     assert counts.total == 3 and counts.completed + counts.failed == 3
-    out, errors = lines_of(client, batch.output_file_id), lines_of(client, batch.error_file_id)
+    out = lines_of(client, batch.output_file_id) if counts.completed else []  # no file if none finished
+    errors = lines_of(client, batch.error_file_id)
+    assert (batch.output_file_id is None) == (counts.completed == 0)
     assert sorted(x["custom_id"] for x in out + errors) == ["long", "q1", "q2"]  # each once
     assert {x["custom_id"]: x["error"]["code"] for x in errors}["long"] == "batch_expired"
     assert len(out) == counts.completed
