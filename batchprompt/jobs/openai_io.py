@@ -116,7 +116,7 @@ def output_line(row: Row, body: dict[str, Any], job: str = "") -> dict[str, Any]
 #: with `error` alone and `response` null.
 NOT_HTTP = frozenset({"batch_expired", "batch_cancelled"})
 #: The HTTP status the endpoint answers an error code with, where it is not 400.
-STATUS = {"engine_error": 500, "request_failed": 500, "not_run": 503, "model_not_found": 404}
+STATUS = {"engine_error": 500, "request_failed": 500, "not_run": 503, "model_not_found": 404, "invalid_type": 422}
 #: OpenAI's error types: "invalid_request_error" for every 4xx but these (its SDK picks the
 #: exception class from the status, not the type).
 TYPES = {429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
@@ -144,7 +144,7 @@ def error_line(line: int, custom_id: str | None, code: str, message: str, job: s
 
 
 def row_error_line(err: RowError, job: str = "") -> dict[str, Any]:
-    return error_line(err.line, err.custom_id, err.code, err.message, job)
+    return error_line(err.line, err.custom_id, err.code, err.message, job, err.param)
 
 
 @dataclass(frozen=True)

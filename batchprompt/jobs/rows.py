@@ -71,6 +71,7 @@ class RowError:
     custom_id: str | None
     code: str
     message: str
+    param: str | None = None  # the field it is about, as OpenAI's error names it
 
 
 @dataclass
@@ -284,17 +285,17 @@ def custom_id_wanted(cid: Any) -> str | None:
 def _openai_row(n: int, obj: dict) -> Row | RowError:
     cid = obj.get("custom_id")
     if (wanted := custom_id_wanted(cid)) is not None:
-        return RowError(n, None, "missing_custom_id", f"line {n}: an OpenAI batch line needs {wanted}")
+        return RowError(n, None, "missing_custom_id", f"line {n}: an OpenAI batch line needs {wanted}", "custom_id")
     method = obj.get("method", "POST")
     if method != "POST":
-        return RowError(n, cid, "invalid_method", f"line {n}: method must be POST, got {method!r}")
+        return RowError(n, cid, "invalid_method", f"line {n}: method must be POST, got {method!r}", "method")
     url = obj.get("url")
     if url not in (CHAT, COMPLETION):
         return RowError(n, cid, "invalid_url",
-                        f"line {n}: url {url!r} is not supported; use {CHAT} or {COMPLETION}")
+                        f"line {n}: url {url!r} is not supported; use {CHAT} or {COMPLETION}", "url")
     body = obj.get("body")
     if not isinstance(body, dict):
-        return RowError(n, cid, "missing_body", f"line {n}: the line has no body object")
+        return RowError(n, cid, "missing_body", f"line {n}: the line has no body object", "body")
     return row_from_body(n, cid, url, body)
 
 
@@ -303,7 +304,8 @@ def row_from_body(n: int, cid: str, url: str, body: dict) -> Row | RowError:
     with it: the check `batchprompt run` makes of each line, also used by the server."""
     problem = _check_counts(body)
     if problem:
-        return RowError(n, cid, "invalid_parameter", f"line {n}: {problem}")  # the server's code for it
+        name, message = problem
+        return RowError(n, cid, "invalid_parameter", f"line {n}: {message}", name)  # the server's code for it
     row = _row_from_body(n, cid, url, body)
     if isinstance(row, Row):
         unknown = tuple(k for k in body if k not in KNOWN_FIELDS and k not in IGNORED_FIELDS)
@@ -311,17 +313,18 @@ def row_from_body(n: int, cid: str, url: str, body: dict) -> Row | RowError:
     return row
 
 
-def _check_counts(body: dict) -> str | None:
-    """What is wrong with the body's n or max_tokens, if anything. Checked here because 0 must
-    not fall back to the default. (Temperature, top_p, seed, ... are SamplingParams' to check.)"""
+def _check_counts(body: dict) -> tuple[str, str] | None:
+    """(field, what is wrong) with the body's n or max_tokens, if anything. Checked here because
+    0 must not fall back to the default. (Temperature, top_p, seed, ... are SamplingParams' to
+    check.)"""
     for name in ("n", "best_of"):  # best_of: as many sequences as n (a million would hold the engine)
         v = body.get(name)
         if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_N):
-            return f"{name} must be an integer from 1 to {MAX_N}, got {v!r}"
+            return name, f"{name} must be an integer from 1 to {MAX_N}, got {v!r}"
     for name in ("max_tokens", "max_completion_tokens"):
         v = body.get(name)
         if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
-            return f"{name} must be an integer >= 1, got {v!r}"
+            return name, f"{name} must be an integer >= 1, got {v!r}"
     return None
 
 
@@ -330,21 +333,23 @@ def _row_from_body(n: int, cid: str, url: str, body: dict) -> Row | RowError:
         try:
             msgs = check_messages(body["messages"], "messages")
         except ValueError as e:
-            return RowError(n, cid, "invalid_messages", f"line {n}: {e}")
+            return RowError(n, cid, "invalid_messages", f"line {n}: {e}", "messages")
         return Row(n, cid, CHAT, messages=msgs, body=body)
     prompt = body.get("prompt")
     if url == CHAT:
-        return RowError(n, cid, "missing_messages", f"line {n}: a chat completion body needs messages")
+        return RowError(n, cid, "missing_messages", f"line {n}: a chat completion body needs messages", "messages")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, list) and prompt:  # the endpoint's other forms: one answer per line here
         what = "token ids" if all(isinstance(t, int) for t in prompt) else f"a list of {len(prompt)} prompts"
         return RowError(n, cid, "unsupported_prompt", f"line {n}: the prompt is {what}; a batch line takes one "
-                                                      f"prompt as text: put each prompt on a line of its own")
+                                                      f"prompt as text: put each prompt on a line of its own",
+                        "prompt")
     if not isinstance(prompt, str) or not prompt:
         needs = "a non-empty prompt string" + (" or messages" if url == COMPLETION_OR_CHAT else "")
         return RowError(n, cid, "missing_prompt", f"line {n}: the line needs {needs}"
-                        + (" (a completion body takes no messages)" if url == COMPLETION and "messages" in body else ""))
+                        + (" (a completion body takes no messages)" if url == COMPLETION and "messages" in body else ""),
+                        "prompt")
     if url == COMPLETION_OR_CHAT:  # plain JSONL: the prompt is the user's turn
         return Row(n, cid, CHAT, messages=[{"role": "user", "content": prompt}], body=body, prompt=None)
     return Row(n, cid, COMPLETION, prompt=prompt, body=body)

@@ -14,6 +14,7 @@ from typing import Any, Iterable
 from ..jobs import rows as job_rows
 from ..jobs.ids import check_ids
 from ..jobs.rows import CHAT, COMPLETION, Row, RowError
+from .schemas import body_type_error
 
 ENDPOINTS = (CHAT, COMPLETION)
 MAX_ERRORS = 100  # lines named in a failed batch's errors (then one line says how many more)
@@ -66,7 +67,11 @@ def check_input(raw: bytes, endpoint: str, model_id: str, model_names: Iterable[
                                            f"to requests", "custom_id")
             continue
         first_line[cid] = n
-        out.rows.append(job_rows.row_from_body(n, cid, endpoint, obj["body"]))
+        wrong = body_type_error(endpoint, obj["body"])  # the endpoint's 422 for the same body
+        if wrong is not None:
+            out.rows.append(RowError(n, cid, wrong.code, f"line {n}: {wrong.message}", wrong.param))
+        else:
+            out.rows.append(job_rows.row_from_body(n, cid, endpoint, obj["body"]))
     if bad > len(out.errors):
         out.errors.append({"code": "too_many_errors", "line": None, "param": None,
                            "message": f"and {bad - len(out.errors)} more lines with errors"})

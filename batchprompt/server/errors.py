@@ -66,13 +66,19 @@ def install_handlers(app: FastAPI) -> None:
 
 
 def validation_response(errors) -> JSONResponse:
-    """422 naming the first field that is wrong (all of them in the message)."""
+    e = validation_error(errors)
+    return error_response(e.status, e.message, e.code, e.param)
+
+
+def validation_error(errors) -> ApiError:
+    """422 naming the first field that is wrong (all of them in the message), from pydantic's
+    errors: what the endpoints answer a body of wrong types with, and a Batch API row too."""
     errors = list(errors)
     params = [".".join(str(p) for p in err.get("loc", ()) if p != "body") for err in errors]
     shown = "; ".join(f"{p or 'body'}: {err.get('msg')}{_given(err)}" for p, err in list(zip(params, errors))[:4])
     if len(errors) > 4:
         shown += f" (and {len(errors) - 4} more)"
-    return error_response(422, f"invalid request: {shown}", "invalid_type", params[0] if params else None)
+    return ApiError(422, f"invalid request: {shown}", "invalid_type", params[0] if params else None)
 
 
 def _given(err: dict) -> str:

@@ -123,9 +123,7 @@ def _row(url: str, body: dict, rid: str) -> Row:
     row = job_rows.row_from_body(1, rid, url, body)
     if isinstance(row, RowError):
         message = row.message.removeprefix("line 1: ")
-        param = refusals.param_named(message, body)
-        code = "invalid_parameter" if param is not None and row.code == "invalid_request" else row.code
-        raise ApiError(400, message, code, param)
+        raise ApiError(400, message, row.code, row.param or refusals.param_named(message, body))
     return row
 
 

@@ -13,8 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import ClientDisconnect
 
-from ..jobs.rows import json_loads, json_type
-from .errors import ApiError
+from ..jobs.rows import CHAT, COMPLETION, json_loads, json_type
+from .errors import ApiError, validation_error
 
 CLIENT_GONE = 499  # nginx's "client closed request": what the metrics count it as
 
@@ -67,6 +67,20 @@ class CompletionRequest(_OpenAIBody):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: bool | int | None = None  # k top tokens; true/false as a Batch API row takes them
     echo: bool | None = None
+
+
+#: The body each endpoint takes (a Batch API row's too).
+ENDPOINT_BODIES: dict[str, Type[BaseModel]] = {CHAT: ChatRequest, COMPLETION: CompletionRequest}
+
+
+def body_type_error(url: str, body: dict[str, Any]) -> ApiError | None:
+    """The 422 that the endpoint `url` answers `body` with for a field of the wrong type, if any
+    (a Batch API row's error is the endpoint's answer to the same body)."""
+    try:
+        ENDPOINT_BODIES[url].model_validate(body)
+    except ValidationError as e:
+        return validation_error(e.errors())
+    return None
 
 
 class BatchRequest(_Body):

@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from batchprompt.jobs import openai_io
 from batchprompt.jobs.rows import (CHAT, COMPLETION, INVALID_UTF8, InputError, Row, RowError, Table, parse_line,
                                    read_input, read_jsonl)
 from batchprompt.jobs.run import JobOptions, row_params
@@ -218,3 +219,20 @@ def test_unknown_body_fields_are_ignored_and_counted():
 def test_invalid_json_names_the_column_once(line, message):
     err = parse_line(3, line)
     assert err.message == message
+
+
+@pytest.mark.parametrize("line, param", [
+    ('{"custom_id": "a", "url": "/v1/chat/completions", "body": {"messages": [], "max_tokens": 2}}', "messages"),
+    ('{"custom_id": "a", "url": "/v1/chat/completions", "body": {"max_tokens": 2}}', "messages"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "n": 0}', "n"),
+    ('{"prompt": "hi", "max_tokens": 0}', "max_tokens"),
+    ('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": ["a", "b"]}}', "prompt"),
+    ('{"custom_id": "a", "url": "/v1/embeddings", "body": {}}', "url"),
+    ('{"custom_id": "a", "url": "/v1/completions"}', "body"),
+    ('{"url": "/v1/completions", "body": {"prompt": "hi"}}', "custom_id"),
+])
+def test_a_rows_error_names_its_field(line, param):
+    """As the endpoint fills `param` (errors found while reading a row had param null)."""
+    err = parse_line(3, line)
+    assert isinstance(err, RowError) and err.param == param, err
+    assert openai_io.row_error_line(err)["response"]["body"]["error"]["param"] == param

@@ -133,6 +133,40 @@ def test_rows_are_answered_as_the_endpoint_answers_them(client):
     assert "outside the vocabulary" in err["error"]["message"]
 
 
+HI = [{"role": "user", "content": "hi"}]
+WRONG_BODIES = {  # a request body that is wrong in itself -> what the endpoint answers it with
+    "type": {"messages": HI, "temperature": "hot"},  # 422 invalid_type (the row had 400 invalid_parameter)
+    "no_messages": {"max_tokens": 2},  # 422 invalid_type: the endpoint's schema requires messages
+    "empty": {"messages": []},
+    "n": {"messages": HI, "n": 0},
+    "top_logprobs": {"messages": HI, "top_logprobs": 3},
+    "vocab": {"messages": HI, "max_tokens": 2, "logit_bias": {"99999999": 5}},
+    "format": {"messages": HI, "response_format": {"type": "json_schema"}},
+    "stop": {"messages": HI, "stop": [""]},
+}
+
+
+def test_a_rows_error_is_the_endpoints_answer_to_the_same_body(server, client):
+    """Each refused row's `response` is exactly what the endpoint answers the same body with: its
+    status, code, message and param (a type error was 400 invalid_parameter in a row and 422
+    invalid_type at the endpoint; errors found while reading a row had param null)."""
+    lines = [{"custom_id": k, "method": "POST", "url": "/v1/chat/completions", "body": b}
+             for k, b in WRONG_BODIES.items()]
+    batch = wait_ended(client, client.batches.create(input_file_id=upload(client, lines).id,
+                                                     endpoint="/v1/chat/completions", completion_window="24h").id)
+    assert batch.request_counts.model_dump() == {"total": len(lines), "completed": 0, "failed": len(lines)}, batch
+    errors = {e["custom_id"]: e for e in lines_of(client, batch.error_file_id)}
+    with server.client() as c:
+        for key, body in WRONG_BODIES.items():
+            r = c.post("/v1/chat/completions", json=body)
+            assert r.status_code in (400, 422), (key, r.text)
+            got = errors[key]["response"]
+            assert (got["status_code"], got["body"]) == (r.status_code, error_of(r) and r.json()), key
+            assert errors[key]["error"]["code"] == got["body"]["error"]["code"]
+    params = {k: errors[k]["response"]["body"]["error"]["param"] for k in ("type", "no_messages", "empty", "n")}
+    assert params == {"type": "temperature", "no_messages": "messages", "empty": "messages", "n": "n"}
+
+
 def test_a_malformed_file_fails_validation_with_its_line_numbers(client):
     good = json.dumps(chat_line("a", "Hi"))
     raw = "\n".join([
