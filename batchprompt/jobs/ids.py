@@ -24,11 +24,20 @@ def check_ids(rows: list[Row | RowError], source: str) -> list[Row | RowError]:
             lines[r.custom_id].append(r.line)
     dups = [(cid, at) for cid, at in lines.items() if len(at) > 1]
     if dups:
-        named = "; ".join(f"{json.dumps(cid)} on {_lines(at)}" for cid, at in dups[:SHOWN])
+        named = "; ".join(f"{json.dumps(cid)} on {_lines(at)}{_automatic(cid, at)}" for cid, at in dups[:SHOWN])
         more = f" (and {len(dups) - SHOWN} more ids)" if len(dups) > SHOWN else ""
         raise InputError(f"{source}: duplicate custom_id: {named}{more}. Each custom_id (or id) must be unique, "
                          f"as OpenAI's Batch API requires, so that each result can be matched to its request")
     return [_invalid(r) if isinstance(r, Row) and not _is_text(r.custom_id) else r for r in rows]
+
+
+def _automatic(cid: str, at: list[int]) -> str:
+    """A note where the id is one the reader gave a line or row that had none ("line-7")."""
+    for n in at:
+        for kind in ("line", "row"):
+            if cid == f"{kind}-{n}":
+                return f" ({kind} {n} has no id, so it is named {cid}: give it an id of its own)"
+    return ""
 
 
 def _is_text(s: str) -> bool:

@@ -104,3 +104,12 @@ def test_a_bad_regex_or_schema_fails_before_the_model_loads(tmp_path, capsys, no
     err = capsys.readouterr().err
     assert "batchprompt: error: structured output:" in err and option[0].lstrip("-").split("-")[0] in err
     assert list(tmp_path.iterdir()) == [inp]
+
+
+def test_a_duplicate_of_an_automatic_id_says_where_it_came_from(tmp_path, capsys, no_model):
+    # The message named "line-2" on lines 2 and 3, while line 2 has no id at all.
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "a", "id": "x"}\n{"prompt": "b"}\n{"prompt": "c", "id": "line-2"}\n')
+    assert main(["run", str(inp), "-o", str(tmp_path / "o.jsonl"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert '"line-2" on lines 2 and 3 (line 2 has no id, so it is named line-2: give it an id of its own)' in err
