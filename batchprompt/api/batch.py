@@ -50,7 +50,7 @@ class Batch:
         self._subscribers: list[Callable[[int, Result], None]] = []
         self._on_result: list[Callable[[int, Result], None]] = []
         self._on_complete: list[Callable[[list[Result]], None]] = []
-        self._on_tokens: list[Callable[[int, list[int]], None]] = []
+        self._on_tokens: list[tuple[Callable[[int, list[int]], None], bool]] = []  # (fn, with the last)
         self._dispatched = False  # a callback of this batch went to the callback thread
         self._completed = False  # every result is in and the on_complete callbacks are taken
         self._done = threading.Event()  # every result is in
@@ -91,16 +91,18 @@ class Batch:
             self._service.dispatch(fn, results)
         return self
 
-    def on_tokens(self, fn: Callable[[int, list[int]], None]) -> "Batch":
+    def on_tokens(self, fn: Callable[[int, list[int]], None], *, last: bool = True) -> "Batch":
         """Call `fn(index, token_ids)` with each prompt's new tokens as the engine makes them
-        (on the callback thread, before that prompt's `on_result`, whose result has them all).
-        Set it before `start()`. Only the local engine streams tokens; on a pool of endpoints
-        or Ray replicas `fn` is not called and each result comes whole."""
+        (on the callback thread, before that prompt's `on_result`, whose result has them all):
+        joined, they are every token of its result. `last=False` leaves out those of the step
+        that finished the prompt (for a consumer that takes the end from the result). Set it
+        before `start()`. Only the local engine streams tokens; on a pool of endpoints or Ray
+        replicas `fn` is not called and each result comes whole."""
         _check_callable("on_tokens", fn)
         with self._start_lock:
             if self._started_at is not None:
                 raise RuntimeError("on_tokens must be set before the batch starts")
-            self._on_tokens.append(fn)
+            self._on_tokens.append((fn, last))
         return self
 
     def start(self) -> "Batch":
@@ -135,10 +137,11 @@ class Batch:
     def _handler(self, index: int, spec: OutputSpec | None) -> Callable[[RequestOutput], None]:
         return lambda out: self._deliver(to_result(index, out, spec))
 
-    def _token_handler(self, index: int) -> Callable[[list[int]], None]:
-        def handle(ids: list[int]) -> None:
-            for fn in self._on_tokens:
-                self._service.dispatch(fn, index, ids)
+    def _token_handler(self, index: int) -> Callable[[list[int], bool], None]:
+        def handle(ids: list[int], last: bool) -> None:
+            for fn, with_last in self._on_tokens:
+                if with_last or not last:
+                    self._service.dispatch(fn, index, ids)
         return handle
 
     # ---- results --------------------------------------------------------------------------

@@ -355,20 +355,19 @@ class EngineService:
 
     def _stream_tokens(self) -> None:
         """Hand each streamed item the tokens its request made since the last step (those that
-        finished get them all with their output, just after)."""
+        finished get the rest just before their output, in _deliver)."""
         for rid, (item, sent) in list(self._streaming.items()):
             ids = self.engine.output_ids(rid)
             if ids is None or len(ids) <= sent:
                 continue
             self._streaming[rid] = (item, len(ids))
-            try:
-                item.on_tokens(ids[sent:])  # type: ignore[misc]
-            except Exception:  # noqa: BLE001  (a streaming consumer's bug costs it its stream only)
-                log.exception("a token stream's callback failed; the request goes on")
+            _hand_tokens(item, ids[sent:], False)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            self._streaming.pop(out.request_id, None)
+            streamed = self._streaming.pop(out.request_id, None)
+            if streamed is not None and len(out.output_token_ids) > streamed[1]:  # those of its last step
+                _hand_tokens(streamed[0], out.output_token_ids[streamed[1]:], True)
             entry = self._in_engine.pop(out.request_id, None)
             if entry is None:  # already answered (after an engine failure), or not ours
                 continue
@@ -410,6 +409,13 @@ class EngineService:
         self._engine = engine = None
         _free_memory()
         self._callbacks.close()  # after the callbacks of the answers above
+
+
+def _hand_tokens(item: Item, ids: list[int], last: bool) -> None:
+    try:
+        item.on_tokens(ids, last)  # type: ignore[misc]
+    except Exception:  # noqa: BLE001  (a streaming consumer's bug costs it its stream only)
+        log.exception("a token stream's callback failed; the request goes on")
 
 
 def _free_memory() -> None:

@@ -24,7 +24,7 @@ def text_pieces(batch: Batch, decode) -> Iterator[str]:
         yield from _whole(batch.wait()[0])
         return
     q: queue.SimpleQueue = queue.SimpleQueue()
-    batch.on_tokens(lambda _, ids: q.put(ids))
+    batch.on_tokens(lambda _, ids: q.put(ids), last=False)  # the end comes from the result
     batch.on_result(lambda _, r: q.put(r))
     stream = TextStream(decode, batch.stop_strings(0))
     try:
@@ -53,7 +53,7 @@ def text_pieces(batch: Batch, decode) -> Iterator[str]:
 async def atext_pieces(batch: Batch, decode) -> AsyncIterator[str]:
     loop = asyncio.get_running_loop()
     q: asyncio.Queue = asyncio.Queue()
-    batch.on_tokens(lambda _, ids: _call_soon(loop, q.put_nowait, ids))
+    batch.on_tokens(lambda _, ids: _call_soon(loop, q.put_nowait, ids), last=False)
     batch.on_result(lambda _, r: _call_soon(loop, q.put_nowait, r))
     stream = TextStream(decode, batch.stop_strings(0))
     try:

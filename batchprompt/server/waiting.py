@@ -65,7 +65,7 @@ async def events(state: ServerState, batch: Batch, chunks: Chunks) -> AsyncItera
             pass
 
     if chunks.streams_tokens:
-        batch.on_tokens(put)  # new tokens, then (on the same thread, so after them) the result
+        batch.on_tokens(put, last=False)  # new tokens, then (on the same thread, so after them) the result
     batch.on_result(put)
     finished = False
     try:

@@ -59,13 +59,24 @@ def test_on_tokens_hands_out_each_prompts_tokens_as_they_are_made(lm, messages):
         mine = [e for e in events if e[1] == i]
         assert mine[-1] == ("result", i, r)  # the result comes after every piece of its tokens
         pieces = [ids for kind, _, ids in mine[:-1]]
-        # The last token comes with the result only (the step that makes it finishes the request).
-        assert sum(pieces, []) == r.token_ids[:len(sum(pieces, []))] and len(pieces) >= len(r.token_ids) - 1 >= 1
+        # Every token, the last ones too (those of the step that finished the prompt never came).
+        assert sum(pieces, []) == r.token_ids and len(pieces) == len(r.token_ids) >= 1
         assert all(len(ids) >= 1 for ids in pieces)
     with pytest.raises(RuntimeError, match="before the batch starts"):
         batch.on_tokens(lambda i, ids: None)
     with pytest.raises(TypeError, match="on_tokens takes a function"):
         lm.create_batch(messages[:1]).on_tokens(None)
+
+
+def test_on_tokens_with_one_token_and_without_the_last(lm, messages):
+    """max_tokens=1: the one token comes (the callback was never called); last=False leaves out
+    the tokens of the finishing step, for a consumer that takes the end from the result."""
+    every, but_last = [], []
+    batch = lm.create_batch(messages[:2], max_tokens=1)
+    batch.on_tokens(lambda i, ids: every.append((i, list(ids))))
+    batch.on_tokens(lambda i, ids: but_last.append((i, list(ids))), last=False)
+    results = batch.start().wait(timeout=120)
+    assert sorted(every) == sorted((i, r.token_ids) for i, r in enumerate(results)) and but_last == []
 
 
 def test_iteration_as_completed(lm, messages):
