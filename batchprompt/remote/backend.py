@@ -540,8 +540,9 @@ class RemoteBackend:
                 continue
             if count:
                 w.attempts += 1
-            if w.attempts > self.pool.max_retries:
-                self._finish_error(w, f"failed after {w.attempts} tries; the last: {err.message}")
+            if w.attempts > self.pool.max_retries:  # the endpoints' fault (a 5xx, a timeout): retryable
+                self._finish_error(w, f"failed after {w.attempts} tries; the last: {err.message}",
+                                   retryable=err.kind != "request")
                 continue
             w.avoid = e.index
             again.append(w)

@@ -45,6 +45,17 @@ def test_faults_on_one_endpoint_leave_the_work_to_the_other(two_servers, proxy, 
     assert stats[0]["prompts"] == len(PROMPTS)
 
 
+def test_an_endpoint_that_keeps_failing_leaves_its_prompts_retryable(proxy):
+    """Tries spent on 5xx answers are the endpoint's fault, not the prompt's: the result is
+    `.retryable` (so `batchprompt run` leaves the row unjournaled, to run again); it was a final
+    error, which `run` journaled as the request's own invalid_request."""
+    proxy.plan("500", 1000)
+    with pool_of([proxy.url], backoff_s=0.01, max_retries=1) as pool:
+        got = bp.LanguageModel.create(model=pool, max_tokens=2).batch_prompt(PROMPTS[:2])
+    assert [r.retryable for r in got] == [True, True], got
+    assert all("failed after 2 tries" in r.error and "HTTP 500" in r.error for r in got), got
+
+
 def test_a_timeout_is_retried(two_servers, proxy, reference):
     want = reference(PROMPTS[:4], max_tokens=4)
     proxy.plan("delay:30", 1)  # the first request hangs past the timeout; the retry is answered
