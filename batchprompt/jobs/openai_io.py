@@ -55,6 +55,9 @@ def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
     """The body OpenAI would return for this row (one Result per choice, n of them); `job`
     scopes its id (see _id). `token_text`: how a token reads (a TokenPieces, or its text alone)."""
     pieces = token_text if isinstance(token_text, TokenPieces) else TokenPieces(token_text)
+    if row.body.get("return_tokens_as_token_ids"):  # vLLM's: log-probs' tokens as "token_id:123"
+        pieces = TokenPieces(lambda t: f"token_id:{t}")
+    with_ids = bool(row.body.get("return_token_ids"))  # vLLM's: each choice's generated token ids
     prompt_tokens = choices[0].usage.prompt_tokens
     completion = sum(r.usage.completion_tokens for r in choices)
     cached = choices[0].usage.cached_tokens
@@ -73,6 +76,8 @@ def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
                     {**_chat_token(tid, lp, pieces),
                      "top_logprobs": [_chat_token(t, v, pieces) for t, v in (tops[i] if tops else ())]}
                     for i, (tid, lp) in enumerate(zip(r.token_ids, r.logprobs))], "refusal": None}
+            if with_ids:
+                choice["token_ids"] = list(r.token_ids)
             out.append(choice)
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": out, "usage": usage, "system_fingerprint": None}
@@ -89,6 +94,8 @@ def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
             top = None if tops is None else [{pieces.text(t): v for t, v in pos} for pos in tops]
             choice["logprobs"] = {"tokens": tokens, "token_logprobs": list(r.logprobs),
                                   "top_logprobs": top, "text_offset": offsets}
+        if with_ids:
+            choice["token_ids"] = list(r.token_ids)
         out.append(choice)
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": out, "usage": usage}

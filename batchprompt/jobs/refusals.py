@@ -21,7 +21,6 @@ _NOOP = {
     "chat_template": lambda v: v is None,
     "documents": lambda v: not v,
     "skip_special_tokens": lambda v: v in (None, True),
-    "return_tokens_as_token_ids": lambda v: not v,
     # OpenAI's: audio output and web search
     "audio": lambda v: v is None,
     "modalities": lambda v: v in (None, ["text"]),

@@ -41,7 +41,8 @@ IGNORED_FIELDS = {
     "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids",
     "bad_words", "add_generation_prompt", "continue_final_message", "add_special_tokens", "documents",
     "chat_template", "chat_template_kwargs", "mm_processor_kwargs", "guided_decoding_backend",
-    "guided_whitespace_pattern", "priority", "request_id", "return_tokens_as_token_ids", "cache_salt",
+    "guided_whitespace_pattern", "priority", "request_id", "return_tokens_as_token_ids", "return_token_ids",
+    "cache_salt",
     "kv_transfer_params", "vllm_xargs", "include_reasoning", "thinking_token_budget"}
 #: Top-level keys of a plain JSONL line that are not body fields.
 PLAIN_LINE_KEYS = {"id"}

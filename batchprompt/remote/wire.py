@@ -7,10 +7,11 @@ the same tokens as text (see RemoteBackend). Structured output goes as vLLM's
 `structured_outputs` object (or the older `guided_*` fields, `structured="guided"`), JSON
 mode as OpenAI's `response_format`; our server reads all of them as `batchprompt run` does.
 
-Generated token ids: where the server returns them (vLLM, with `return_tokens_as_token_ids`
-and logprobs asked) they are used as they are; otherwise the text is encoded again with the
-pool's tokenizer, plus the EOS token when the output ended on it, so a count may differ from
-the server's own by a token where the model produced an unusual tokenization.
+Generated token ids: where the server returns them (ours and vLLM >= 0.10.2 with
+`return_token_ids`, older vLLM with `return_tokens_as_token_ids` and logprobs asked) they are
+used as they are; otherwise the text is encoded again with the pool's tokenizer, plus the EOS
+token when the output ended on it, so a count may differ from the server's own by a token
+where the model produced an unusual tokenization.
 """
 from __future__ import annotations
 
@@ -65,9 +66,10 @@ def completion_body(model: str, prompts: Sequence[Sequence[int] | str], params: 
         body["n"] = p.n
     if p.best_of is not None and p.best_of > p.n:
         body["best_of"] = p.best_of
+    body["return_token_ids"] = True  # vLLM >= 0.10.2 and ours: each choice's token ids; others ignore it
     if p.logprobs:
         body["logprobs"] = p.top_logprobs  # completions: k alternatives per position (0: the chosen token's)
-        body["return_tokens_as_token_ids"] = True  # vLLM: "token_id:123"; others ignore it
+        body["return_tokens_as_token_ids"] = True  # vLLM and ours: "token_id:123"; others ignore it
     if p.grammar is not None:
         body.update(structured_fields(p.grammar, structured))
     return body
@@ -129,11 +131,14 @@ def _sample(c: dict) -> Sample:
     if not isinstance(text, str):
         raise ValueError("a choice has no text")
     lp = c.get("logprobs")
-    ids = logprobs = tops = None
+    logprobs = tops = None
+    ids = c.get("token_ids")  # return_token_ids
+    if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        ids = None
     if isinstance(lp, dict) and lp.get("token_logprobs") is not None:
         logprobs = [float(v) if v is not None else 0.0 for v in lp["token_logprobs"]]
         tokens = lp.get("tokens") or []
-        if tokens and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+        if ids is None and tokens and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
             ids = [int(t[len("token_id:"):]) for t in tokens]
         tops = lp.get("top_logprobs")
     return Sample(text, FINISH.get(c.get("finish_reason") or "stop", "stop"), ids, logprobs, tops)

@@ -33,6 +33,20 @@ def test_pool_answers_as_the_local_engine_does(two_servers, reference):
         assert all(e["token_ids"] is True for e in stats if e["requests"])
 
 
+def test_logprobs_and_token_counts_through_our_servers(two_servers):
+    """The pool asks for the generated token ids (return_token_ids, and with logprobs vLLM's
+    return_tokens_as_token_ids): our server refused the latter, so every prompt that asked for
+    logprobs failed; and without ids the text was encoded again, so ",,," made of three ","
+    tokens counted 2 (SmolLM2 has a ",," token)."""
+    with pool_of([s.url for s in two_servers]) as pool:
+        lm = bp.LanguageModel.create(model=pool, max_tokens=3)
+        got = lm.batch_prompt(PROMPTS[:3], logprobs=True)
+        forced = lm.batch_prompt(["Say hi."], logit_bias={28: 100.0})[0]
+    assert [r.error for r in got] == [None] * 3, got
+    assert all(len(r.logprobs) == len(r.token_ids) == r.usage.completion_tokens >= 1 for r in got), got
+    assert (forced.text, forced.token_ids, forced.usage.completion_tokens) == (",,,", [28, 28, 28], 3), forced
+
+
 def test_streaming_callbacks_progress_and_order(two_servers, reference):
     want = reference(PROMPTS, SYSTEM, max_tokens=12)
     with pool_of([s.url for s in two_servers]) as pool:

@@ -18,9 +18,9 @@ def test_body_carries_every_option_that_is_set():
     assert body == {"model": "m", "prompt": [[1, 2, 3], [4]], "max_tokens": 7, "temperature": 0.5, "top_p": 0.9,
                     "top_k": 20, "seed": 3, "stop": ["\n"], "presence_penalty": 0.5, "repetition_penalty": 1.1,
                     "min_p": 0.05, "min_tokens": 2, "logit_bias": {"5": -1.0}, "logprobs": 2,
-                    "return_tokens_as_token_ids": True}
+                    "return_tokens_as_token_ids": True, "return_token_ids": True}
     assert completion_body("m", [[1]], SamplingParams()) == {"model": "m", "prompt": [[1]], "max_tokens": 16,
-                                                            "temperature": 1.0}
+                                                            "temperature": 1.0, "return_token_ids": True}
 
 
 @pytest.mark.parametrize("grammar, modern, guided", [
@@ -55,6 +55,9 @@ def test_token_ids_from_the_server_or_encoded_again():
         "tokens": ["token_id:104", "token_id:105"], "token_logprobs": [-0.1, -0.2], "top_logprobs": None}}]}, 1, 1, "x")
     out = to_output("r", [1], given[0], SamplingParams(logprobs=True), _Tok())
     assert out.output_token_ids == [104, 105] and out.logprobs == [-0.1, -0.2]
+    ids = parse_completions({"choices": [{"index": 0, "text": "hi", "finish_reason": "length",
+                                          "token_ids": [7, 8, 9]}]}, 1, 1, "x")  # return_token_ids: as given
+    assert to_output("r", [1], ids[0], SamplingParams(), _Tok()).output_token_ids == [7, 8, 9]
     again = parse_completions({"choices": [{"index": 0, "text": "hi", "finish_reason": "stop"}]}, 1, 1, "x")
     assert to_output("r", [1], again[0], SamplingParams(), _Tok()).output_token_ids == [104, 105, 2]  # + EOS
     cut = parse_completions({"choices": [{"index": 0, "text": "hi", "finish_reason": "length"}]}, 1, 1, "x")

@@ -33,7 +33,6 @@ def tokenizer():
     ({"truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
     ({"chat_template": "{{ messages }}"}, "chat_template"),
     ({"skip_special_tokens": False}, "skip_special_tokens"),
-    ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
     ({"add_generation_prompt": "yes"}, "add_generation_prompt"),
     ({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
     ({"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt is true unless set
