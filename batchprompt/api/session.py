@@ -67,6 +67,9 @@ class LanguageModel:
             raise ValueError(f"initial_prompts is a list of messages ({{'role': ..., 'content': ...}}), got "
                              f"{type(initial_prompts).__name__} {initial_prompts!r:.60}; for one system prompt, "
                              f"give system=...")
+        if system is not None and not isinstance(system, str):  # it met the chat template as a TypeError
+            raise TypeError(f"system must be a string (the system prompt), got {type(system).__name__} "
+                            f"{system!r:.60}")
         initial = _check_messages(list(initial_prompts or []), "initial_prompts")
         if system is not None:
             if initial and initial[0]["role"] == "system":

@@ -110,6 +110,8 @@ def _request_problem(n: int, obj: dict, endpoint: str, model_id: str, models: se
         if url in ENDPOINTS:
             return ("mismatched_url", f"line {n}: url {url} differs from the batch's endpoint {endpoint}; "
                                       f"every line of a batch goes to its endpoint", "url")
+        if url is None:
+            return "missing_url", f"line {n}: the line needs a url, the batch's endpoint {endpoint}", "url"
         return "invalid_url", f"line {n}: url {url!r} is not supported; use {endpoint}", "url"
     body = obj.get("body")
     if not isinstance(body, dict):

@@ -169,3 +169,12 @@ def test_aprompt_streaming(lm):
 
     pieces = asyncio.run(run())
     assert "".join(pieces) == lm.prompt("Say hello.", max_tokens=12) and len(pieces) >= 2
+
+
+@pytest.mark.parametrize("system", [5, ["a"], b"x"])
+def test_a_system_prompt_that_is_not_text_is_refused_by_name(system):
+    # It met the chat template: a Jinja TypeError ("can only concatenate str"), or bytes taken.
+    with pytest.raises(TypeError, match=f"system must be a string \\(the system prompt\\), got {type(system).__name__}"):
+        bp.LanguageModel.create(system=system)
+    with pytest.raises(TypeError, match="system must be a string"):
+        bp.batch_prompt(["hi"], system=system)

@@ -128,3 +128,10 @@ def test_one_server_per_data_dir(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(DataDirError, match="cannot create it"):
         DataDir(tmp_path / "file" / "d")
+
+
+def test_a_line_without_url_says_it_needs_one():
+    # It said "url None is not supported".
+    [err] = check(json.dumps({"custom_id": "a", "method": "POST", "body": {}})).errors
+    assert (err["code"], err["param"]) == ("missing_url", "url")
+    assert err["message"] == f"line 1: the line needs a url, the batch's endpoint {CHAT}"
