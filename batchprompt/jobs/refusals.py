@@ -11,6 +11,8 @@ _NOOP = {
     "suffix": lambda v: v in (None, ""),
     "tools": lambda v: not v,
     "functions": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none", "auto"),  # "required" or a named function: a tool call
+    "function_call": lambda v: v in (None, "none", "auto"),
     "use_beam_search": lambda v: not v,
     "prompt_logprobs": lambda v: v is None,
     "guided_whitespace_pattern": lambda v: v is None,  # JSON here is always compact

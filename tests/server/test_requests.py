@@ -29,6 +29,9 @@ def tokenizer():
     ({"guided_json": {"type": "object"}, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),  # ignored
     # vLLM fields that change the prompt or the output were accepted and ignored
     ({"bad_words": ["Hello"]}, "bad_words"),
+    ({"tool_choice": "required"}, "tool_choice"),  # a forced tool call was answered with plain text
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"function_call": {"name": "f"}}, "function_call"),
     ({"allowed_token_ids": [28, 29]}, "allowed_token_ids"),
     ({"truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
     ({"chat_template": "{{ messages }}"}, "chat_template"),
