@@ -37,7 +37,10 @@ async def get_model(model_id: str, request: Request) -> dict:
 
 
 def _model(state: ServerState) -> dict:
-    return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "batchprompt"}
+    card = {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "batchprompt"}
+    if state.max_model_len is not None:  # as vLLM's model card has it (a pool of servers reads it)
+        card["max_model_len"] = state.max_model_len
+    return card
 
 
 @router.post("/v1/chat/completions")

@@ -77,6 +77,12 @@ class ServerState:
         service = self._service
         return service is not None and not service.stopped and not self.shutting_down
 
+    @property
+    def max_model_len(self) -> int | None:
+        """The engine's context length (None until the model is loaded)."""
+        service = self._service
+        return None if service is None else service.max_model_len
+
     def service(self) -> EngineService:
         """The engine service, or a 503 that says why there is none now."""
         if self.shutting_down:

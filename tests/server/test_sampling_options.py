@@ -41,6 +41,13 @@ def test_max_model_len_reaches_the_engine(server):
     assert error["code"] == "context_length_exceeded" and f"the context holds {MAX_MODEL_LEN}" in error["message"]
 
 
+def test_the_model_card_says_the_context_length(server):
+    """As vLLM's: a pool of servers reads it (it learned nothing, and a too-long prompt went out)."""
+    with server.client() as c:
+        listed, one = c.get("/v1/models").json()["data"], c.get(f"/v1/models/{MODEL}").json()
+    assert [m["max_model_len"] for m in listed] == [MAX_MODEL_LEN] and one["max_model_len"] == MAX_MODEL_LEN
+
+
 def test_a_prompt_too_long_by_its_length_is_refused_unread(server):
     """A prompt of far more bytes than the context's tokens can cover is refused by its length
     alone (megabytes of text held the tokenizer, which every request waits for, for seconds):
