@@ -4,6 +4,8 @@ honour (tools, echo, beam search, ...), and an explicit max_tokens that does not
 context beside the prompt (vLLM's rule, rather than an answer cut short at the context's end)."""
 from __future__ import annotations
 
+import json
+
 #: field -> is the value a no-op? (The sampling options, from presence_penalty to best_of and
 #: top_logprobs, go to the engine through run.row_params.)
 _NOOP = {
@@ -50,7 +52,7 @@ def refuse_unsupported(body: dict) -> dict:
     """The body to run, or Refused naming a field batchprompt cannot honour."""
     for name, noop in _NOOP.items():
         if name in body and not noop(body[name]):
-            raise Refused(f"{name}={body[name]!r}: batchprompt does not support it; leave it out",
+            raise Refused(f"{name}: {_shown(body[name])}: batchprompt does not support it; leave it out",
                           "unsupported_parameter", name)
     if body.get("stream_options") is not None and not body.get("stream"):
         raise Refused("stream_options is only allowed with stream: true", "invalid_parameter", "stream_options")
@@ -59,6 +61,12 @@ def refuse_unsupported(body: dict) -> dict:
         # best_of = n picks all n: a no-op clients send, not the best-of-n search (which needs n = 1).
         body = {k: v for k, v in body.items() if k != "best_of"}
     return body
+
+
+def _shown(value) -> str:
+    """A body's value as JSON writes it (true, not True), cut short."""
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def check_context(ids: list[int], max_model_len: int, what: str, max_tokens: int | None) -> list[int]:

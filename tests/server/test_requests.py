@@ -80,3 +80,10 @@ def test_chat_template_fields_change_the_prompt_as_in_vllm(tokenizer):
     assert ids(chat_template_kwargs={"enable_thinking": False}) == ids()  # a variable this template does not read
     completion = plan_completion({"prompt": "Hello", "add_special_tokens": False}, tokenizer, 8192)
     assert completion.prepared[0].token_ids == hf.encode("Hello", add_special_tokens=False)
+
+
+def test_an_unsupported_field_is_shown_as_json():
+    # It showed Python's repr: echo=True, {'type': ...}.
+    with pytest.raises(ApiError) as e:
+        plan_completion({"prompt": "hi", "echo": True}, None, 8192)
+    assert e.value.message == "echo: true: batchprompt does not support it; leave it out"
