@@ -196,21 +196,25 @@ class BatchJob:
         else:
             c.failed += 1
 
+    def _record_failed(self, journal: Journal, lines: list[tuple[Row | RowError, dict]]) -> None:
+        """Journal requests answered by their error lines, in one call (on the io thread): a hop
+        to the io thread for each cost 70 us, seconds for a big batch refused or cancelled."""
+        for r, line in lines:
+            self._record(journal, r.line, r.custom_id, False, line)
+
     async def _compute(self, rows: list[Row | RowError]) -> None:
         api = self.api
         journal = await self._open_journal()
         done = await api.io(journal.done_lines)
-        for r in rows:  # requests whose body is wrong are answered at once
-            if isinstance(r, RowError) and r.line not in done:
-                await api.io(self._record, journal, r.line, r.custom_id, False, refused_line(r, self.id))
+        refused = [(r, refused_line(r, self.id)) for r in rows if isinstance(r, RowError) and r.line not in done]
+        await api.io(self._record_failed, journal, refused)  # requests whose body is wrong are answered at once
         todo = [r for r in rows if isinstance(r, Row) and r.line not in done]
         if not todo:
             return
         service = api.state.service()
         tokenizer = service.tokenizer
         plan = await asyncio.to_thread(plan_rows, todo, tokenizer, service.max_model_len, self.id)
-        for row, line in plan.refused:
-            await api.io(self._record, journal, row.line, row.custom_id, False, line)
+        await api.io(self._record_failed, journal, plan.refused)
         if self.ending is not None or not plan.items:
             return
         self._engine_batch = batch = Batch(service, plan.items, priority=BULK)
@@ -258,9 +262,9 @@ class BatchJob:
             return
         if ending == "completed":
             await api.update(self.id, status="finalizing", finalizing_at=int(time.time()))
-        for r in missing:
-            line = refused_line(r, self.id) if isinstance(r, RowError) else unfinished_line(r, ending, self.id)
-            await api.io(self._record, journal, r.line, r.custom_id, False, line)
+        await api.io(self._record_failed, journal, [
+            (r, refused_line(r, self.id) if isinstance(r, RowError) else unfinished_line(r, ending, self.id))
+            for r in missing])
         batch = await api.ensure_files(self.id)
         sizes = await api.io(self._write_files, journal, batch["output_file_id"], batch["error_file_id"])
         at = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[ending]

@@ -59,7 +59,7 @@ def test_round_trip(client):
     # As OpenAI writes a refused request: the endpoint's status and error body (it was null).
     assert err["response"]["status_code"] == 400 and err["response"]["request_id"]
     assert err["response"]["body"]["error"] == {"message": err["error"]["message"].removeprefix("line 3: "),
-                                                "type": "invalid_request_error", "param": None,
+                                                "type": "invalid_request_error", "param": "messages",
                                                 "code": "invalid_messages"}  # the endpoint's words: no line number
     meta = client.files.retrieve(batch.output_file_id)
     assert meta.purpose == "batch_output" and meta.bytes == len(client.files.content(batch.output_file_id).content)
