@@ -336,6 +336,9 @@ def _structured_options(args: argparse.Namespace) -> dict:
         else:
             opts["choices"] = [c.strip() for c in text.split(",")]
     if args.choice_mode is not None:
+        if args.choices is None:  # it picks among --choices' labels: alone it would do nothing, unsaid
+            raise ValueError(f"--choice-mode {args.choice_mode} needs --choices (the labels it picks from); "
+                             f"give --choices A,B,... with it, or leave --choice-mode out")
         opts["choice_mode"] = args.choice_mode
     if args.regex is not None:
         opts["regex"] = args.regex

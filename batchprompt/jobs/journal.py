@@ -29,6 +29,7 @@ class Journal:
     def __init__(self, path: str | Path, fingerprint: str, restart: bool = False,
                  commit_every: int = 64, commit_seconds: float = 0.5, job_id: str | None = None):
         self.path = Path(path)
+        self._pending: list[tuple[int, str | None, int, str, int, int]] = []
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -44,14 +45,15 @@ class Journal:
             self.db.execute("CREATE TABLE IF NOT EXISTS rows (line INTEGER PRIMARY KEY, custom_id TEXT, "
                             "ok INTEGER NOT NULL, record TEXT NOT NULL, "
                             "prompt_tokens INTEGER NOT NULL DEFAULT 0, completion_tokens INTEGER NOT NULL DEFAULT 0)")
-        if self.get("fingerprint") not in (None, fingerprint) and not restart:
+        other = self.get("fingerprint") not in (None, fingerprint)  # begun for another input or options
+        if other and not restart and not self.empty():
             self.db.close()
             raise JournalMismatch(
                 f"the journal {self.path} belongs to a different input or different options (the "
                 f"input file, or an option such as --system, --max-tokens or --temperature, changed "
                 f"since the job began); run with the job's first options to resume, or --restart to "
                 f"start over")
-        if restart:
+        if restart or other:  # other: an empty journal, taken over (nothing is lost)
             with self._writing():
                 self.db.execute("DELETE FROM rows")
                 self.db.execute("DELETE FROM meta")
@@ -61,8 +63,13 @@ class Journal:
         self.job_id = job_id or self.get("job_id") or secrets.token_hex(8)
         self.set("job_id", self.job_id)
         self.commit_every, self.commit_seconds = commit_every, commit_seconds
-        self._pending: list[tuple[int, str | None, int, str, int, int]] = []
         self._last_commit = time.monotonic()
+
+    def empty(self) -> bool:
+        """No row recorded, pending ones included: a run that stopped before any row (a bad option
+        found as the model loaded) left it, and a run with other options may take it over, losing
+        nothing."""
+        return not self._pending and self.db.execute("SELECT 1 FROM rows LIMIT 1").fetchone() is None
 
     def get(self, key: str) -> str | None:
         row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()

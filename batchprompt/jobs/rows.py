@@ -133,12 +133,13 @@ def read_input(path: str, column: str | None = None, stdin=None) -> Table:
         if column:
             raise InputError("--column applies to CSV and Parquet input, not JSONL")
         return Table(read_jsonl(raw), "jsonl", raw)
-    table = _read_table(raw, fmt, path)
+    table = _read_table(raw, fmt, path, column)
     if not column:
         raise InputError(f"{path}: {fmt} input needs --column naming the prompt column "
                          f"(columns: {', '.join(table.column_names)})")
     if column not in table.column_names:
         raise InputError(f"{path}: no column {column!r}; the columns are: {', '.join(table.column_names)}")
+    _check_text_column(table, column, path)
     table, bad = _replace_invalid_utf8(table)
     rows: list[Row | RowError] = []
     for i, value in enumerate(table.column(column).to_pylist(), 1):
@@ -150,7 +151,24 @@ def read_input(path: str, column: str | None = None, stdin=None) -> Table:
     return Table(rows, fmt, raw, table)
 
 
-def _read_table(raw: bytes, fmt: str, path: str):
+def _check_text_column(table, column: str, path: str) -> None:
+    """A prompt column that is not text (Parquet's own types: numbers, dates, ...) is one error
+    naming its type; each row of it was "empty"."""
+    import pyarrow as pa
+
+    t = table.schema.field(column).type
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t) or pa.types.is_null(t):
+        return
+    kind = ("numbers" if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t)
+            else "booleans" if pa.types.is_boolean(t) else "binary data" if pa.types.is_binary(t)
+            else "dates or times" if pa.types.is_temporal(t) else "values")
+    raise InputError(f"{path}: column {column!r} holds {kind} ({t}), not text: --column names the column of "
+                     f"prompts, a text (string) column")
+
+
+def _read_table(raw: bytes, fmt: str, path: str, column: str | None = None):
     try:
         import pyarrow as pa
         import pyarrow.csv as pacsv
@@ -165,9 +183,12 @@ def _read_table(raw: bytes, fmt: str, path: str):
         def read(block_size: int | None = None):
             # Not checking UTF-8 here keeps text columns text (checked, pyarrow would turn a column
             # with one bad byte into binary); _replace_invalid_utf8 repairs them. pyarrow skips a BOM.
+            # The prompt column is text as written: a column of numbers ("42", "007") is prompts too.
+            types = {column: pa.string()} if column else {}
             return pacsv.read_csv(pa.BufferReader(raw), read_options=pacsv.ReadOptions(block_size=block_size),
                                   parse_options=pacsv.ParseOptions(delimiter=delimiter),
-                                  convert_options=pacsv.ConvertOptions(strings_can_be_null=False, check_utf8=False))
+                                  convert_options=pacsv.ConvertOptions(strings_can_be_null=False, check_utf8=False,
+                                                                       column_types=types))
         try:
             return read()
         except pa.ArrowInvalid as e:

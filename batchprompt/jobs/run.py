@@ -92,7 +92,7 @@ class JobSummary:
             return (f"{self.rows} rows: {self.ok} ok, {self.failed} failed, all from an earlier run; "
                     f"{self.prompt_tokens:,} prompt and {self.completion_tokens:,} generated tokens")
         head = (f"{self.rows} rows: {self.ok} ok, {self.failed} failed"
-                f"{f' ({self.resumed} from an earlier run)' if self.resumed else ''}; "
+                f"{f' ({self.resumed} from an earlier run)' if self.resumed else ''}{self._left()}; "
                 f"{self.prompt_tokens:,} prompt and {self.completion_tokens:,} generated tokens")
         if not self.run_rows:  # nothing computed now: no rate to give
             return f"{head}; {'nothing finished in this run' if self.interrupted else 'outputs written from the journal'}"
@@ -102,6 +102,14 @@ class JobSummary:
                if self.resumed else "")
         return (f"{head}; {now}in {_duration(self.seconds)} ({rate:,.0f} tok/s); prefix-cache hit "
                 f"{self.prefix_cache_hit_rate:.0%}")
+
+    def _left(self) -> str:
+        """After an interrupt, the rows that did not run yet (ok and failed alone read as if
+        the job were over)."""
+        left = self.rows - self.ok - self.failed
+        if not self.interrupted or left <= 0:
+            return ""
+        return f", {left} not run yet (run the same command again to resume)"
 
 
 def _duration(s: float) -> str:
@@ -159,6 +167,36 @@ class Pending:
     row: Row
     n: int
     choices: list[Result | None]
+
+
+@dataclass
+class Ready:
+    """A row that passed every refusal: its prompt's ids and each choice's sampling parameters."""
+    row: Row
+    ids: list[int]
+    per_choice: list[SamplingParams]
+    spec: OutputSpec | None
+
+
+def _items(ready: list[Ready]) -> tuple[list[Prepared], list[list[tuple[Pending, int]]]]:
+    """Flat items for the batch (n per row), identical deterministic requests once each, and
+    per item the (row, choice index) pairs it answers."""
+    items: list[Prepared] = []
+    owners: list[list[tuple[Pending, int]]] = []
+    shared: dict[str, int] = {}
+    for r in ready:
+        p = Pending(r.row, len(r.per_choice), [None] * len(r.per_choice))
+        for choice, cp in enumerate(r.per_choice):
+            deterministic = cp.greedy or cp.seed is not None
+            key = json.dumps([r.ids, asdict(cp), choice if not cp.greedy else 0]) if deterministic else None
+            if key is not None and key in shared:
+                owners[shared[key]].append((p, choice))
+                continue
+            if key is not None:
+                shared[key] = len(items)
+            items.append(Prepared(len(items), r.ids, cp, spec=r.spec))
+            owners.append([(p, choice)])
+    return items, owners
 
 
 #: vLLM's structured_outputs keys: those that ask for a constraint, and flags whose true value
@@ -311,6 +349,8 @@ class JobRun:
         check_writable(opts.output)
         if errors_path:
             check_writable(errors_path, "the errors file (--errors)")
+        if opts.journal:  # as -o: a missing folder is an error, not made (the default's is the output's)
+            check_writable(opts.journal, "the journal (--journal)")
         if getattr(opts.cluster, "remote", False):  # an EndpointPool: the model is the one its servers serve
             model_name = self.model_path = opts.cluster.model
         else:
@@ -322,7 +362,9 @@ class JobRun:
         if opts.dry_run:
             return self.dry_run(table)
         with JobLock(journal_path):  # a second run of this job stops here, naming this one
+            fresh = not Path(journal_path).exists()
             journal = Journal(journal_path, fp, restart=opts.restart)
+            unused = False
             try:
                 return self._run(table, journal, model_name, errors_path)
             except StorageError as e:
@@ -332,8 +374,13 @@ class JobRun:
                 except Exception:  # the message goes without the count
                     pass
                 raise
+            except BaseException:  # a bad option found as the model loaded, Ctrl-C while it loaded
+                unused = fresh and _holds_nothing(journal)
+                raise
             finally:
                 journal.close()
+                if unused:
+                    _remove_journal(journal.path)
 
     def _run(self, table: Table, journal: Journal, model_name: str, errors_path: str | None) -> JobSummary:
         opts = self.opts
@@ -353,23 +400,24 @@ class JobRun:
             return summary
         if done:
             self.say(f"resuming: {len(done)} of {len(table.rows)} rows are already done (journal {journal.path})")
-        for r in table.rows:  # unreadable rows are answered now
-            if isinstance(r, RowError) and r.line not in done:
-                journal.record(r.line, r.custom_id, False, openai_io.row_error_line(r, journal.job_id))
-                done.add(r.line)
         todo = [r for r in table.rows if isinstance(r, Row) and r.line not in done]
 
         interrupted_by = 0
         t0 = time.perf_counter()
-        if todo:
+        service = None
+        if todo:  # loaded before any row is journaled: an option the engine refuses leaves the journal empty
             service = get_backend(self.model_path, cluster=opts.cluster, device=opts.device, dtype=opts.dtype,
                                   engine_options=opts.engine_options)
             self.say(f"model {model_name} ready in {time.perf_counter() - t0:.1f}s; {len(todo)} rows to run")
+        for r in table.rows:  # unreadable rows are answered now
+            if isinstance(r, RowError) and r.line not in done:
+                journal.record(r.line, r.custom_id, False, openai_io.row_error_line(r, journal.job_id))
+                done.add(r.line)
+        if service is not None:
             t0 = time.perf_counter()
             stats0 = _stats_snapshot(service)
             rerun0 = getattr(service, "rows_rerun", 0)
-            interrupted_by = self._compute(service, todo, journal, model_name, len(table.rows), len(done),
-                                           summary, sum(isinstance(r, RowError) for r in table.rows))
+            interrupted_by = self._compute(service, todo, journal, model_name, len(table.rows), summary)
             summary.rows_rerun = getattr(service, "rows_rerun", 0) - rerun0
             s = service.stats()
             pt, cached = s.prompt_tokens - stats0[0], s.cached_prompt_tokens - stats0[1]
@@ -396,85 +444,84 @@ class JobRun:
         return self.opts.output == "-" or (Path(self.opts.output).is_file() and
                                            (errors_path is None or Path(errors_path).is_file()))
 
-    def _prepare(self, service: Backend, todo: list[Row], journal: Journal | None):
-        """Flat items for the batch (n per row, identical deterministic requests once each)."""
+    def _ready(self, row: Row, service: Backend, job: str = "") -> Ready | dict[str, Any]:
+        """The row ready to run, or its error line: what the endpoint refuses of the same body (a
+        field batchprompt cannot honour, a bad option, a prompt too long for the context, a
+        max_tokens that does not fit beside it). The run journals the line; the dry run counts it."""
         tok = service.tokenizer
-        items: list[Prepared] = []
-        owners: list[list[tuple[Pending, int]]] = []  # per item: (row, choice index) it answers
-        shared: dict[str, int] = {}
+        code = "invalid_parameter"  # the server's code for each stage's failure, so both paths agree
+        try:
+            row = replace(row, body=refusals.refuse_unsupported(row.body))
+            params, n = row_params(row, self.opts)
+            spec = row_spec(row, self.opts)
+            if spec is not None:
+                params = spec.sampling_params(params, tok)
+            code = "invalid_prompt"
+            ids = render(row, tok, self.opts.system, service.max_model_len)
+            # A max_tokens the row asks for must fit beside its prompt, as the server checks it;
+            # the job's default is cut at the context's end instead.
+            refusals.check_context(ids, service.max_model_len, "the messages" if row.url == CHAT else "the prompt",
+                                   refusals.asked_max_tokens(row.body, params))
+            per_choice = [params if n == 1 or params.seed is None else
+                          replace(params, seed=params.seed + choice) for choice in range(n)]
+        except Exception as e:  # any failure to prepare one row (a chat template that raises) is its own
+            param = refusals.param_named(str(e), row.body) if code == "invalid_parameter" else None
+            if isinstance(e, refusals.Refused):
+                code, param = e.code, e.param
+            elif code == "invalid_parameter" and not isinstance(e, (TypeError, ValueError)):
+                code = "invalid_request"
+            return openai_io.error_line(row.line, row.custom_id, code, f"line {row.line}: {e}", job, param)
+        return Ready(row, ids, per_choice, spec)
+
+    def _prepare(self, service: Backend, todo: list[Row], journal: Journal):
+        """Flat items for the batch (see _items); the rows refused are journaled and left out."""
+        ready = []
         for row in todo:
-            code = "invalid_parameter"  # the server's code for each stage's failure, so both paths agree
-            try:
-                row = replace(row, body=refusals.refuse_unsupported(row.body))
-                params, n = row_params(row, self.opts)
-                spec = row_spec(row, self.opts)
-                if spec is not None:
-                    params = spec.sampling_params(params, tok)
-                code = "invalid_prompt"
-                ids = render(row, tok, self.opts.system, service.max_model_len)
-                # A max_tokens the row asks for must fit beside its prompt, as the server checks it;
-                # the job's default is cut at the context's end instead.
-                refusals.check_context(ids, service.max_model_len, "the messages" if row.url == CHAT else "the prompt",
-                                       refusals.asked_max_tokens(row.body, params))
-                per_choice = [params if n == 1 or params.seed is None else
-                              replace(params, seed=params.seed + choice) for choice in range(n)]
-            except Exception as e:  # any failure to prepare one row (a chat template that raises) is its own
-                if journal is not None:
-                    param = refusals.param_named(str(e), row.body) if code == "invalid_parameter" else None
-                    if isinstance(e, refusals.Refused):
-                        code, param = e.code, e.param
-                    elif code == "invalid_parameter" and not isinstance(e, (TypeError, ValueError)):
-                        code = "invalid_request"
-                    journal.record(row.line, row.custom_id, False, openai_io.error_line(
-                        row.line, row.custom_id, code, f"line {row.line}: {e}", journal.job_id, param))
-                continue
-            p = Pending(row, n, [None] * n)
-            for choice, cp in enumerate(per_choice):
-                deterministic = cp.greedy or cp.seed is not None
-                key = json.dumps([ids, asdict(cp), choice if not cp.greedy else 0]) if deterministic else None
-                if key is not None and key in shared:
-                    owners[shared[key]].append((p, choice))
-                    continue
-                if key is not None:
-                    shared[key] = len(items)
-                items.append(Prepared(len(items), ids, cp, spec=spec))
-                owners.append([(p, choice)])
-        return items, owners
+            r = self._ready(row, service, journal.job_id)
+            if isinstance(r, Ready):
+                ready.append(r)
+            else:
+                journal.record(row.line, row.custom_id, False, r)
+        return _items(ready)
 
     def dry_run(self, table: Table) -> JobSummary:
-        """Count rows and prompt tokens; time a short calibration run; estimate the whole job."""
+        """Count rows and prompt tokens; time a short calibration run; estimate the whole job.
+        A row counts as the run would take it: one the run refuses (see _ready) cannot run, and
+        neither its tokens nor its time count."""
         opts = self.opts
         rows = [r for r in table.rows if isinstance(r, Row)]
-        summary = JobSummary(rows=len(table.rows), failed=len(table.rows) - len(rows), notes=table.notes())
         service = get_backend(self.model_path, cluster=opts.cluster, device=opts.device, dtype=opts.dtype,
                               engine_options=opts.engine_options)
-        tok = service.tokenizer
-        for r in rows:
-            try:
-                summary.prompt_tokens += len(render(r, tok, opts.system, service.max_model_len))
-            except Exception:  # the row's error, as in a real run
-                summary.failed += 1
-        sample = rows[:opts.calibration_rows]
-        items, _ = self._prepare(service, sample, None)
+        ready = [r for r in (self._ready(row, service) for row in rows) if isinstance(r, Ready)]
+        summary = JobSummary(rows=len(table.rows), failed=len(table.rows) - len(ready), notes=table.notes(),
+                             prompt_tokens=sum(len(r.ids) for r in ready))
+        sample = ready[:opts.calibration_rows]
+        items, _ = _items(sample)
         t0 = time.perf_counter()
         Batch(service, items).wait()
         per_row = (time.perf_counter() - t0) / max(len(sample), 1)
-        summary.estimate_seconds = per_row * len(rows)
+        summary.estimate_seconds = per_row * len(ready)
         summary.seconds = time.perf_counter() - t0
         self.say(f"calibration: {len(sample)} rows in {summary.seconds:.1f}s; larger batches run faster per "
                  f"row, so the estimate is an upper bound")
         return summary
 
     def _compute(self, service: Backend, todo: list[Row], journal: Journal, model_name: str,
-                 total_rows: int, done_rows: int, summary: JobSummary, errors: int = 0) -> int:
+                 total_rows: int, summary: JobSummary) -> int:
         """Run `todo`, journaling each row as it finishes; 0, or the signal that interrupted it
         (the rows finished by then are committed)."""
         items, owners = self._prepare(service, todo, journal)
+        # The bar starts at every row answered so far (earlier runs', unreadable ones, those refused
+        # just now), so that it ends at the total with as many errors as the summary gives.
+        ok, answered = journal.counts()
+        errors = answered - ok
         bar = None
         if self.opts.progress:
             from tqdm import tqdm
-            bar = tqdm(total=total_rows, initial=done_rows, unit="row", dynamic_ncols=True, file=self.out,
+            bar = tqdm(total=total_rows, initial=answered, unit="row", dynamic_ncols=True, file=self.out,
                        smoothing=0.1)
+            if errors:
+                bar.set_postfix_str(f"{errors} errors", refresh=False)
         batch = Batch(service, items)
         created = openai_io.now()
         tok = service.tokenizer
@@ -538,10 +585,15 @@ class JobRun:
         # finish_reason tells an answer cut by max_tokens ("length": for a structured output, the
         # partial text, which need not parse) from a whole one ("stop"); null for a failed row.
         cols: dict[str, dict[int, str | None]] = {"result": {}, "finish_reason": {}, "error": {}}
+        probs: dict[int, str | None] = {}  # choice_mode score: each label's probability, as JSON
         for line, ok, rec in [*journal.records(), *((line, False, rec) for line, rec in self._not_run.items())]:
             obj = json.loads(rec)
             cols["result"][line], cols["finish_reason"][line] = _answer(obj) if ok else (None, None)
             cols["error"][line] = None if ok else obj["error"]["message"]
+            if ok and "choice_probs" in (first := obj["response"]["body"]["choices"][0]):
+                probs[line] = json.dumps(first["choice_probs"])
+        if probs:  # only then: a table of other answers keeps its columns
+            cols["choice_probs"] = probs
         n, out = table.table.num_rows, table.table
         for name, values in cols.items():
             out = out.append_column(name, pa.array([values.get(i) for i in range(1, n + 1)], pa.string()))
@@ -578,6 +630,24 @@ def _write_lines(path: str, records) -> None:
         for rec in records:
             f.write(rec.encode("utf-8") + b"\n")
     write_atomic(path, fill)
+
+
+def _holds_nothing(journal: Journal) -> bool:
+    """No row in the journal (False when that cannot be read: it is kept)."""
+    try:
+        return journal.empty()
+    except Exception:
+        return False
+
+
+def _remove_journal(path: Path) -> None:
+    """Remove a journal this run made and left empty (it failed before any row): nothing is
+    lost, and no file is left behind by a command that did nothing."""
+    for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+        try:
+            p.unlink(missing_ok=True)
+        except OSError:  # left: an empty journal blocks no later run
+            pass
 
 
 def _stats_snapshot(service: Backend) -> tuple[int, int]:

@@ -99,7 +99,7 @@ def test_rows_the_server_refuses_fail_alone_with_its_codes(tmp_path, capsys):
     errors = {e["custom_id"]: e["error"] for e in map(json.loads, Path(str(out) + ".errors.jsonl").read_text()
                                                        .splitlines())}
     assert errors.keys() == {"sms-1", "sms-2"}
-    assert errors["sms-1"]["code"] == "unsupported_parameter" and "tools=" in errors["sms-1"]["message"]
+    assert errors["sms-1"]["code"] == "unsupported_parameter" and "tools: [" in errors["sms-1"]["message"]
     assert errors["sms-2"]["code"] == "context_length_exceeded"
     assert "lower max_tokens to at most" in errors["sms-2"]["message"]
 

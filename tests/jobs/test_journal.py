@@ -122,3 +122,19 @@ def test_a_job_keeps_its_id_across_resumes_and_scopes_its_lines_ids(tmp_path):
     assert given.job_id == "batch_abc" and given.get("job_id") == "batch_abc"
     for j in (a, b, restarted, given):
         j.close()
+
+
+def test_an_empty_journal_of_other_options_is_taken_over_one_with_rows_is_not(tmp_path):
+    """A run stopped before any row (a bad --max-model-len found as the model loaded) left a
+    journal that refused the corrected command ("belongs to ... different options"): it held
+    nothing to lose. One with a row still refuses."""
+    path = tmp_path / "j.sqlite"
+    j = Journal(path, "fp1")
+    first_id = j.job_id
+    j.close()
+    j = Journal(path, "fp2")  # other options: taken over, as a new job
+    assert j.get("fingerprint") == "fp2" and j.job_id != first_id
+    j.record(1, "a", False, {})
+    j.close()
+    with pytest.raises(JournalMismatch):
+        Journal(path, "fp1")

@@ -113,3 +113,65 @@ def test_a_duplicate_of_an_automatic_id_says_where_it_came_from(tmp_path, capsys
     assert main(["run", str(inp), "-o", str(tmp_path / "o.jsonl"), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert '"line-2" on lines 2 and 3 (line 2 has no id, so it is named line-2: give it an id of its own)' in err
+
+
+def test_an_option_the_engine_refuses_leaves_no_journal_to_block_the_corrected_command(tmp_path, capsys,
+                                                                                     monkeypatch):
+    """--max-model-len 100000 (or a --kv-cache-memory too small) is refused as the model loads,
+    after the journal was made: that journal then refused the corrected command as "a different
+    input or different options". A run that failed before any row leaves none (an unreadable
+    line, answered without the model, is not journaled before the model loads), and an empty
+    one left by an older version is taken over."""
+    from batchprompt.engine.config import EngineConfigError
+    from batchprompt.jobs import Journal
+
+    def refuse(*a, **k):
+        raise EngineConfigError("max_model_len 100000 is longer than the model's context of 8192 tokens")
+    monkeypatch.setattr("batchprompt.jobs.run.get_backend", refuse)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    inp.write_text('{"prompt": "hi"}\n{broken\n')
+    assert main(["run", str(inp), "-o", str(out), "--system", "Be brief", "--no-progress"]) == 2
+    assert "longer than the model's context" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == [inp]  # no journal, no -wal, no lock
+    Journal(f"{out}.journal", "an older run's options").close()  # empty: nothing to lose
+    assert main(["run", str(inp), "-o", str(out), "--system", "Be very brief", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "longer than the model's context" in err and "different options" not in err
+
+
+def test_a_journal_in_a_missing_folder_is_refused_as_an_output_there_is(tmp_path, capsys, no_model):
+    # The folders were made (even at /), while -o into a missing folder is an error.
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "hi"}\n')
+    journal = tmp_path / "no" / "such" / "j.db"
+    assert main(["run", str(inp), "-o", str(tmp_path / "o.jsonl"), "--journal", str(journal)]) == 2
+    err = capsys.readouterr().err
+    assert f"{journal}: cannot write the journal (--journal) there: the folder {journal.parent} does not exist" in err
+    assert list(tmp_path.iterdir()) == [inp]
+
+
+def test_choice_mode_without_choices_names_both_options(tmp_path, capsys, no_model):
+    # It was accepted and did nothing.
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "hi"}\n')
+    assert main(["run", str(inp), "-o", str(tmp_path / "o.jsonl"), "--choice-mode", "score"]) == 2
+    err = capsys.readouterr().err
+    assert "--choice-mode score needs --choices" in err
+    assert list(tmp_path.iterdir()) == [inp]
+
+
+def test_a_prompt_column_of_numbers_is_named_so(tmp_path, capsys, no_model):
+    """A Parquet column of integers read as "row 1: column 'text' is empty", row after row; a CSV
+    column of numbers is text as written (its cells are prompts)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batchprompt.jobs.rows import read_input
+
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "in.parquet")
+    assert main(["run", str(tmp_path / "in.parquet"), "--column", "text", "-o", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "column 'text' holds numbers (int64), not text" in err and "is empty" not in err
+    (tmp_path / "in.csv").write_text("id,text\n1,42\n2,007\n")
+    rows = read_input(str(tmp_path / "in.csv"), "text").rows
+    assert [r.messages[0]["content"] for r in rows] == ["42", "007"]

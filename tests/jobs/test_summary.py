@@ -25,3 +25,11 @@ def test_a_dry_run_does_not_call_rows_too_long_unreadable():
     # A row refused for its length was counted as "unreadable".
     text = str(JobSummary(rows=3, failed=1, prompt_tokens=40, estimate_seconds=2.0))
     assert text.startswith("dry run: 3 rows (1 that cannot run), 40 prompt tokens")
+
+
+def test_an_interrupted_run_says_how_many_rows_did_not_run_yet():
+    # It read "80 rows: 16 ok, 0 failed", as if the job were over.
+    text = str(JobSummary(rows=80, ok=15, failed=1, run_rows=16, run_completion_tokens=80, seconds=2.0,
+                          interrupted=True, interrupted_by=2))
+    assert text.startswith("80 rows: 15 ok, 1 failed, 64 not run yet (run the same command again to resume)")
+    assert "not run yet" not in str(JobSummary(rows=80, ok=79, failed=1, run_rows=80, seconds=2.0))

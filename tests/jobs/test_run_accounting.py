@@ -1,0 +1,66 @@
+"""What `batchprompt run` counts and writes: the progress bar and the dry run count every row as
+the run answers it, and scored labels come with their probabilities."""
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from batchprompt.cli import main
+from batchprompt.jobs import JobOptions
+from batchprompt.jobs.run import JobRun
+
+from .test_cli import chat_line, parse_outputs
+
+
+def _refused_rows(path: Path) -> None:
+    """One row that runs; four the run refuses as it prepares them (echo, tools, a prompt longer
+    than the context, a max_tokens that does not fit beside its prompt); one unreadable line."""
+    path.write_text("\n".join([
+        chat_line(0, "Hello", max_tokens=1), chat_line(1, "Hello", echo=True),
+        chat_line(2, "Hello", tools=[{"type": "function", "function": {"name": "f"}}]),
+        chat_line(3, "word " * 10_000), chat_line(4, "Hello", max_tokens=10**6), "{broken"]) + "\n")
+
+
+@pytest.mark.slow
+def test_the_bar_and_the_dry_run_count_the_rows_refused_as_they_are_prepared(tmp_path):
+    """The bar ended at 2/6 with "1 errors" while the summary said 5 failed; the dry run said
+    "2 that cannot run", counted the refused rows' tokens and timed them in its calibration."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    _refused_rows(inp)
+    dry_out = io.StringIO()
+    dry = JobRun(JobOptions(str(inp), str(out), dry_run=True, progress=False), dry_out).run()
+    shown = io.StringIO()
+    real = JobRun(JobOptions(str(inp), str(out)), shown).run()
+    assert (real.ok, real.failed) == (1, 5)
+    bar = shown.getvalue().replace("\r", "\n").splitlines()
+    last = [line for line in bar if "row" in line and "/" in line][-1]
+    assert "6/6" in last and "5 errors" in last, last
+    assert (dry.rows, dry.failed, dry.prompt_tokens) == (6, 5, real.prompt_tokens)
+    assert "calibration: 1 rows" in dry_out.getvalue()
+
+
+@pytest.mark.slow
+def test_scored_labels_come_with_their_probabilities(tmp_path, capsys):
+    """--choice-mode score wrote the labels' probabilities nowhere: they are a choice_probs field
+    of the choice (an extra field, as vLLM adds its own; the line still parses as OpenAI's) and
+    a column of a table."""
+    csv_in = tmp_path / "in.csv"
+    csv_in.write_text("text\nWIN a FREE prize now\nSee you at lunch\n")
+    flags = ["--column", "text", "--choices", "spam,ham", "--choice-mode", "score", "--no-progress"]
+    assert main(["run", str(csv_in), "-o", str(tmp_path / "o.jsonl"), *flags]) == 0
+    for line in parse_outputs(tmp_path / "o.jsonl"):
+        choice = line["response"]["body"]["choices"][0]
+        assert set(choice["choice_probs"]) == {"spam", "ham"}
+        assert abs(sum(choice["choice_probs"].values()) - 1) < 1e-6
+        assert choice["message"]["content"] == max(choice["choice_probs"], key=choice["choice_probs"].get)
+    assert main(["run", str(csv_in), "-o", str(tmp_path / "o.csv"), "--format", "table", *flags]) == 0
+    import pyarrow.csv
+
+    table = pyarrow.csv.read_csv(tmp_path / "o.csv").to_pylist()
+    assert [set(json.loads(r["choice_probs"])) for r in table] == [{"spam", "ham"}] * 2
+    assert main(["run", str(csv_in), "-o", str(tmp_path / "d.csv"), "--format", "table", "--column", "text",
+                 "--max-tokens", "1", "--no-progress"]) == 0
+    assert "choice_probs" not in pyarrow.csv.read_csv(tmp_path / "d.csv").column_names  # no labels scored
