@@ -301,7 +301,11 @@ def custom_id_wanted(cid: Any) -> str | None:
     """What a line's custom_id lacks ("a custom_id, a non-empty string ..."), or None if it is one."""
     if isinstance(cid, str) and cid:
         return None
-    return "a custom_id, a non-empty string" + (" (it is empty)" if cid == "" else "")
+    if cid == "":
+        return "a custom_id, a non-empty string (it is empty)"
+    if cid is None:
+        return "a custom_id, a non-empty string"
+    return f"a custom_id, a non-empty string (got {json_type(cid)}: write it in quotes)"
 
 
 def _openai_row(n: int, obj: dict) -> Row | RowError:

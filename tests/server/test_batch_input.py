@@ -55,8 +55,11 @@ def test_an_empty_custom_id_is_named_as_empty():
     [err] = got.errors
     assert err["code"] == "missing_custom_id" and err["param"] == "custom_id"
     assert err["message"] == "line 1: each line needs a custom_id, a non-empty string (it is empty)"
-    assert check(json.dumps({"custom_id": 5, "url": CHAT, "body": {}})).errors[0]["message"] == (
+    assert check(json.dumps({"url": CHAT, "body": {}})).errors[0]["message"] == (
         "line 1: each line needs a custom_id, a non-empty string")
+    # A number was told it is missing.
+    assert check(json.dumps({"custom_id": 5, "url": CHAT, "body": {}})).errors[0]["message"] == (
+        "line 1: each line needs a custom_id, a non-empty string (got a number: write it in quotes)")
 
 
 def test_nan_is_not_json_and_types_have_json_names():
