@@ -61,11 +61,16 @@ class Chunks:
     (`result`), then its finish chunk. Text that may still change is held back: an incomplete
     UTF-8 character (a trailing U+FFFD) and, where stop strings are set, as many characters as
     the longest of them less one, since a stop string that completes is cut from the output.
-    With logprobs asked, a choice comes whole when it completes (its chunk carries them)."""
+    With logprobs asked, a choice comes whole when it completes (its chunk carries them).
+    `continuous_usage` (vLLM's stream_options.continuous_usage_stats, with include_usage): each
+    chunk carries the usage so far, rather than null."""
 
-    def __init__(self, plan: Plan, chat: bool, model: str, created: int, include_usage: bool):
+    def __init__(self, plan: Plan, chat: bool, model: str, created: int, include_usage: bool,
+                 continuous_usage: bool = False):
         self.plan, self.chat, self.model, self.created = plan, chat, model, created
         self.include_usage = include_usage
+        self.continuous_usage = include_usage and continuous_usage
+        self._made: dict[int, int] = {}  # choice index -> its tokens so far (the usage so far)
         self.id = response_id(plan, chat)
         self.prompt_tokens: dict[int, int] = {}  # prompt -> tokens (counted once for its n choices)
         self.cached_tokens: dict[int, int] = {}
@@ -82,6 +87,7 @@ class Chunks:
         """The chunk of choice `index`'s new text, given its new tokens (none while held back)."""
         if not self.streams_tokens:
             return []
+        self._made[index] = self._made.get(index, 0) + len(ids)
         piece = self._stream(index).push(ids)
         return [self._delta(index, piece)] if piece else []
 
@@ -91,8 +97,13 @@ class Chunks:
         if self.chat:
             obj["system_fingerprint"] = None
         if self.include_usage:
-            obj["usage"] = None
+            obj["usage"] = self._usage_so_far() if self.continuous_usage else None
         return event(obj)
+
+    def _usage_so_far(self) -> dict[str, int]:
+        prompt = sum(len(p.token_ids or ()) for p in self.plan.prepared[::self.plan.n])
+        made = sum(self._made.values())
+        return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
 
     def _delta(self, index: int, text: str) -> str:
         if not self.chat:
@@ -119,6 +130,7 @@ class Chunks:
         self.prompt_tokens[prompt] = r.usage.prompt_tokens
         self.cached_tokens[prompt] = r.usage.cached_tokens
         self.completion_tokens += r.usage.completion_tokens
+        self._made[index] = r.usage.completion_tokens
         row = self.plan.rows[prompt]
         choice = openai_io.response_body(row, [r], self.model, self.created, self.plan.token_text)["choices"][0]
         if not self.chat:

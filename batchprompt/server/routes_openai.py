@@ -64,8 +64,9 @@ async def _complete(request: Request, schema, plan_fn, chat: bool):
     batch = Batch(service, plan.prepared)
     created = int(time.time())
     if body.get("stream"):
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        chunks = responses.Chunks(plan, chat, state.model_id, created, include_usage)
+        options = body.get("stream_options") or {}
+        chunks = responses.Chunks(plan, chat, state.model_id, created, bool(options.get("include_usage")),
+                                  bool(options.get("continuous_usage_stats")))
         if state.shutting_down:
             raise ApiError(503, "the server is shutting down", "shutting_down")
         return StreamingResponse(waiting.events(state, batch, chunks), media_type="text/event-stream",

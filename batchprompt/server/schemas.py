@@ -25,6 +25,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: the usage so far in every chunk
 
 
 class _OpenAIBody(_Body):

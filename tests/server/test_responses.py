@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchprompt.api.result import Result
+from batchprompt.api.result import Result, Usage
 from batchprompt.server.responses import result_error
 
 
@@ -80,3 +80,25 @@ def test_text_that_may_begin_a_stop_string_is_held_until_it_cannot():
 def test_completions_stream_text_pieces_too():
     pieces = _stream(_plan(chat=False), "one two three", "one two three", chat=False)
     assert "".join(pieces) == "one two three" and len(pieces) > 3
+
+
+@pytest.mark.parametrize("continuous, include", [(True, True), (False, True), (True, False)])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(continuous, include):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): it was ignored, each
+    chunk's usage null until the last."""
+    import json
+
+    from batchprompt.server.responses import Chunks
+
+    chunks = Chunks(_plan(), True, "m", 0, include_usage=include, continuous_usage=continuous)
+    events = chunks.start() + chunks.tokens(0, [104]) + chunks.tokens(0, [105])
+    events += chunks.result(0, Result(0, "hi!", "stop", usage=Usage(1, 3), token_ids=[104, 105, 33]))
+    usages = [json.loads(e.removeprefix("data: ")).get("usage", "absent") for e in events]
+    if not include:
+        assert usages == ["absent"] * len(events)
+    elif not continuous:
+        assert usages == [None] * len(events)
+    else:
+        made = [u["completion_tokens"] for u in usages]
+        assert made[0] == 0 and made == sorted(made) and made[-1] == 3, usages
+        assert all(u["prompt_tokens"] == 1 and u["total_tokens"] == 1 + u["completion_tokens"] for u in usages)
