@@ -121,9 +121,9 @@ def attach_sampling_state(chunks: list[ScheduledChunk], requests: dict[str, Requ
 
 def sampling_problem(params: SamplingParams, vocab_size: int) -> str | None:
     """What the engine cannot run in these parameters (token ids outside the vocabulary)."""
-    ids = list(params.logit_bias or ()) + list(params.stop_token_ids)
-    bad = sorted(t for t in ids if not 0 <= t < vocab_size)
-    if bad:
-        return (f"logit_bias or stop_token_ids name token ids outside the vocabulary [0, {vocab_size}): "
-                f"{bad[:5]}; use ids of this model's tokenizer")
+    for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+        bad = sorted(t for t in ids if not 0 <= t < vocab_size)
+        if bad:  # the message starts with the field: the server's error names it in `param`
+            return (f"{name} names token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}; use ids of "
+                    f"this model's tokenizer")
     return None

@@ -28,6 +28,15 @@ def failure_code(message: str) -> str:
     return "context_length_exceeded" if "shorten the prompt" in message else "invalid_request"
 
 
+def failure_param(message: str, body: dict) -> str | None:
+    """The field a request's failure is about (its `param`): the engine names token ids outside
+    the vocabulary in logit_bias, stop_token_ids or the prompt."""
+    if message.startswith("the prompt has token ids"):
+        return "prompt"
+    first = message.split(" ", 1)[0]
+    return first if first in body else None
+
+
 def _id(prefix: str, job: str, custom_id: str | None, line: int) -> str:
     """The id of a row's line: the same for the same row of the same job (a resumed job writes
     what it would have written), different across jobs (ids are keys: OpenAI's are unique)."""
@@ -182,9 +191,10 @@ def answer(row: Row, choices: Sequence[Result], model: str, created: int, token_
     failed = failed_choice(choices)
     if failed is not None:
         code, message = failure_code(failed.error), f"line {row.line}: {failed.error}"
+        param = failure_param(failed.error, row.body)
         if rerun_note is not None and any(c.retryable for c in choices):
-            code, message = "not_run", f"{message} ({rerun_note})"
-        return Answer(False, error_line(row.line, row.custom_id, code, message, job))
+            code, message, param = "not_run", f"{message} ({rerun_note})", None
+        return Answer(False, error_line(row.line, row.custom_id, code, message, job, param))
     try:
         body = response_body(row, choices, model, created, token_text, job)
     except Exception as e:  # noqa: BLE001  (an answer that cannot be shaped is its request's error)

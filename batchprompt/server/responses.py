@@ -14,17 +14,17 @@ from .errors import ApiError, error_body
 from .requests import Plan
 
 
-def failure(results: Sequence[Result]) -> ApiError | None:
+def failure(results: Sequence[Result], body: dict | None = None) -> ApiError | None:
     """The error to answer with, if a result failed (openai_io.failed_choice: an output cut by
     max_tokens before it completed its structured output is not one)."""
     failed = openai_io.failed_choice(results)
-    return None if failed is None else result_error(failed)
+    return None if failed is None else result_error(failed, body)
 
 
-def result_error(r: Result) -> ApiError:
+def result_error(r: Result, body: dict | None = None) -> ApiError:
     message = r.error or "the request failed"
     code = openai_io.failure_code(message)  # engine_error (the server's fault, a 500) or the request's
-    return ApiError(openai_io.STATUS.get(code, 400), message, code)
+    return ApiError(openai_io.STATUS.get(code, 400), message, code, openai_io.failure_param(message, body or {}))
 
 
 def response_id(plan: Plan, chat: bool) -> str:

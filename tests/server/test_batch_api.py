@@ -163,8 +163,12 @@ def test_a_rows_error_is_the_endpoints_answer_to_the_same_body(server, client):
             got = errors[key]["response"]
             assert (got["status_code"], got["body"]) == (r.status_code, error_of(r) and r.json()), key
             assert errors[key]["error"]["code"] == got["body"]["error"]["code"]
-    params = {k: errors[k]["response"]["body"]["error"]["param"] for k in ("type", "no_messages", "empty", "n")}
-    assert params == {"type": "temperature", "no_messages": "messages", "empty": "messages", "n": "n"}
+    params = {k: errors[k]["response"]["body"]["error"]["param"] for k in ("type", "no_messages", "empty", "n", "vocab")}
+    assert params == {"type": "temperature", "no_messages": "messages", "empty": "messages", "n": "n",
+                      "vocab": "logit_bias"}  # the engine's refusal: param was null
+    with server.client() as c:  # token ids outside the vocabulary in the prompt: param was null
+        r = c.post("/v1/completions", json={"prompt": [[99999999]], "max_tokens": 1})
+    assert r.status_code == 400 and error_of(r)["param"] == "prompt", r.text
 
 
 def test_a_malformed_file_fails_validation_with_its_line_numbers(client):
