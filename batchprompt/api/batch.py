@@ -141,6 +141,7 @@ class Batch:
         def handle(ids: list[int], last: bool) -> None:
             for fn, with_last in self._on_tokens:
                 if with_last or not last:
+                    self._dispatched = True  # wait() ends after it ran (it ended before, on_tokens alone)
                     self._service.dispatch(fn, index, ids)
         return handle
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -77,6 +78,16 @@ def test_on_tokens_with_one_token_and_without_the_last(lm, messages):
     batch.on_tokens(lambda i, ids: but_last.append((i, list(ids))), last=False)
     results = batch.start().wait(timeout=120)
     assert sorted(every) == sorted((i, r.token_ids) for i, r in enumerate(results)) and but_last == []
+
+
+def test_wait_ends_after_every_on_tokens_call(lm, messages):
+    """With on_tokens the only callback, wait() returned while token callbacks were still queued
+    (best_of hands a prompt's tokens over at its end): they ran after it, into the next batch."""
+    got: dict[int, list[int]] = {}
+    batch = lm.create_batch(messages[:3], max_tokens=4, best_of=2, temperature=0.8, seed=1)
+    batch.on_tokens(lambda i, ids: (time.sleep(0.05), got.setdefault(i, []).extend(ids)))
+    results = batch.start().wait(timeout=120)
+    assert {i: got.get(i) for i in range(3)} == {i: r.token_ids for i, r in enumerate(results)}
 
 
 def test_iteration_as_completed(lm, messages):
