@@ -85,10 +85,7 @@ def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
                     {**_chat_token(tid, lp, pieces),
                      "top_logprobs": [_chat_token(t, v, pieces) for t, v in (tops[i] if tops else ())]}
                     for i, (tid, lp) in enumerate(zip(r.token_ids, r.logprobs))], "refusal": None}
-            _add_choice_probs(choice, r)
-            if with_ids:
-                choice["token_ids"] = list(r.token_ids)
-            out.append(choice)
+            out.append(_with_extras(choice, r, with_ids))
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": out, "usage": usage, "system_fingerprint": None}
     out = []
@@ -104,20 +101,20 @@ def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
             top = None if tops is None else [{pieces.text(t): v for t, v in pos} for pos in tops]
             choice["logprobs"] = {"tokens": tokens, "token_logprobs": list(r.logprobs),
                                   "top_logprobs": top, "text_offset": offsets}
-        _add_choice_probs(choice, r)
-        if with_ids:
-            choice["token_ids"] = list(r.token_ids)
-        out.append(choice)
+        out.append(_with_extras(choice, r, with_ids))
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": out, "usage": usage}
 
 
-def _add_choice_probs(choice: dict[str, Any], r: Result) -> None:
-    """A label picked by its log-likelihood (choice_mode "score") comes with every label's
-    probability, as an extra field of the choice, the way vLLM adds its own (OpenAI's clients
-    keep fields they do not know); other choices are left as OpenAI shapes them."""
+def _with_extras(choice: dict[str, Any], r: Result, with_ids: bool) -> dict[str, Any]:
+    """The choice with the fields beyond OpenAI's, as vLLM adds its own (OpenAI's clients keep
+    fields they do not know): a label picked by its log-likelihood (choice_mode "score") comes
+    with every label's probability, and `token_ids` where the body asked (return_token_ids)."""
     if r.choice_probs is not None:
         choice["choice_probs"] = dict(r.choice_probs)
+    if with_ids:
+        choice["token_ids"] = list(r.token_ids)
+    return choice
 
 
 def _chat_token(tid: int, logprob: float, pieces: TokenPieces) -> dict[str, Any]:
