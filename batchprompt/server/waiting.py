@@ -91,7 +91,7 @@ async def events(state: ServerState, batch: Batch, chunks: Chunks) -> AsyncItera
                     continue
                 received += 1
                 if result.finish_reason in ("error", "cancelled"):
-                    yield error_event(_stream_error(state, result))
+                    yield error_event(_stream_error(state, result, chunks.plan.rows[index // chunks.plan.n].body))
                     yield DONE
                     finished = True
                     return
@@ -133,9 +133,9 @@ async def _next(arrived: asyncio.Queue, abandoned: asyncio.Event):
     return ABANDONED if abandoned.is_set() else None
 
 
-def _stream_error(state: ServerState, result: Result) -> ApiError:
+def _stream_error(state: ServerState, result: Result, body: dict) -> ApiError:
     if result.finish_reason == "cancelled":
         if state.shutting_down:
             return ApiError(503, SHUTTING_DOWN, "shutting_down")
         return ApiError(500, f"the request was cancelled: {result.error}", "cancelled")
-    return result_error(result)
+    return result_error(result, body)  # its param named as in an answer that is not streamed

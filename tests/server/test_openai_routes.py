@@ -351,3 +351,14 @@ def test_a_stream_that_disconnects_has_its_request_cancelled(server):
     assert after["server"]["requests_cancelled"].get("client_disconnected", 0) == \
         before["server"]["requests_cancelled"].get("client_disconnected", 0) + 1
     assert after["engine"]["generation_tokens"] - before["engine"]["generation_tokens"] < LONG_COMPLETION["max_tokens"]
+
+
+def test_a_streamed_error_names_its_field_as_the_answer_does(server):
+    # Streamed, the engine's refusal had param null; not streamed, it named logit_bias.
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logit_bias": {"99999999": 5}}
+    with server.client() as c:
+        whole = c.post("/v1/chat/completions", json=body)
+        streamed = c.post("/v1/chat/completions", json={**body, "stream": True})
+    assert error_of(whole)["param"] == "logit_bias", whole.text
+    events = [json.loads(x.removeprefix("data: ")) for x in streamed.text.split("\n\n") if x.startswith("data: {")]
+    assert [e["error"] for e in events if "error" in e] == [error_of(whole)], streamed.text
