@@ -2,15 +2,15 @@
 from . import openmp_spin  # noqa: F401  (first: it sets libgomp's spin before torch loads it)
 from .api import (Batch, BatchError, EngineStoppedError, LanguageModel, Progress, Result,
                   SessionDestroyedError, Usage, abatch_prompt, batch_prompt, shutdown)
-from .dynamic import BatchStats, DeadlineExceeded, QueueFull, WorkerDied, dynamically
+from .dynamic import BatchSizeMismatch, BatchStats, DeadlineExceeded, QueueFull, WorkerDied, dynamically
 from .engine import EngineConfig, EngineStats, LLMEngine, RequestOutput, SamplingParams
 from .models import ModelNotFoundError
 
 __version__ = "0.1.0"
-__all__ = ["Batch", "BatchError", "BatchStats", "DeadlineExceeded", "EngineConfig", "EngineStats", "EngineStoppedError",
-           "LLMEngine", "LanguageModel", "ModelNotFoundError", "Progress", "QueueFull", "RequestOutput", "Result",
-           "SamplingParams", "SessionDestroyedError", "Usage", "WorkerDied", "abatch_prompt", "batch_prompt",
-           "dynamically", "shutdown"]
+__all__ = ["Batch", "BatchError", "BatchSizeMismatch", "BatchStats", "DeadlineExceeded", "EngineConfig", "EngineStats",
+           "EngineStoppedError", "LLMEngine", "LanguageModel", "ModelNotFoundError", "Progress", "QueueFull",
+           "RequestOutput", "Result", "SamplingParams", "SessionDestroyedError", "Usage", "WorkerDied",
+           "abatch_prompt", "batch_prompt", "dynamically", "shutdown"]
 
 # Exported lazily: `import batchprompt` imports none of these optional parts (nor Ray).
 _LAZY = {"RayCluster": "batchprompt.ray.cluster", "EndpointPool": "batchprompt.remote.pool"}

@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
+import weakref
 from asyncio import get_running_loop as _running_loop
 from typing import Any, AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
 
 from . import stream
+from .errors import DeadlineExceeded
+from .options import call_timeout, check_options
 from .processor import BatchProcessor, QueueFull
 from .stats import BatchStats
 from .tensors import TensorBatcher, item_length
@@ -48,10 +52,11 @@ class DynamicFunction:
             return self.many([item], priority=priority, timeout=timeout)[0]
         return p.call_one(item)
 
-    def many(self, items: Sequence, *, priority: int = 0, timeout: float | None = None) -> list:
+    def many(self, items: Iterable, *, priority: int = 0, timeout: float | None = None) -> list:
         _check_priority(priority)
+        timeout = call_timeout(timeout)
         p = self.processor
-        return p.wait(p.submit(items, priority, timeout), timeout)
+        return p.wait(p.submit(_as_list(items), priority, timeout), timeout)
 
     async def acall(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
         p = self._processor or self.processor
@@ -70,19 +75,24 @@ class DynamicFunction:
             p.flush_buffer(buf, False)
         return await Waiter(group, pos, None)
 
-    async def amany(self, items: Sequence, *, priority: int = 0, timeout: float | None = None) -> list:
+    async def amany(self, items: Iterable, *, priority: int = 0, timeout: float | None = None) -> list:
         _check_priority(priority)
+        timeout = call_timeout(timeout)
         p = self.processor
         loop = asyncio.get_running_loop()
+        items = _as_list(items)
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
-                group, start, stop = p.submit_async(list(items), loop, priority, timeout)
+                group, start, stop = p.submit_async(items, loop, priority, timeout)
                 break
             except QueueFull:
                 if not p.block_when_full:
                     raise
+                if deadline is not None and time.monotonic() >= deadline:  # no room within the deadline
+                    raise DeadlineExceeded(f"{p.name}: no room in the queue within the {timeout}s deadline") from None
                 await asyncio.sleep(p.timeout or 0.001)  # never block the event loop on a lock
-        return await p.await_group(group, start, stop, timeout)
+        return await p.await_group(group, start, stop, None if deadline is None else deadline - time.monotonic())
 
     def imap(self, items: Iterable, *, max_in_flight: int = 1024, priority: int = 0) -> Iterator:
         """Results for `items` in input order, while later items are still queued; at most
@@ -102,15 +112,54 @@ class DynamicFunction:
         return self.processor.stats
 
     def __get__(self, instance, owner=None):
-        """On a method: one processor per instance, bound to it."""
+        """On a method: one processor per instance (or class, under @classmethod), bound to it."""
         if instance is None:
             return self
         key = f"__dynamically_{self._fn.__name__}"
-        bound = instance.__dict__.get(key)
-        if bound is None:
-            bound = DynamicFunction(self._fn.__get__(instance, owner), self._options)
-            instance.__dict__[key] = bound
+        store = getattr(instance, "__dict__", None)
+        if not isinstance(store, dict):  # a class (its __dict__ is read-only) or a class with __slots__
+            try:
+                store = self._bound_to
+            except AttributeError:
+                store = self._bound_to = weakref.WeakKeyDictionary()
+            key = instance
+        try:
+            bound = store.get(key)
+            if bound is None:
+                bound = DynamicFunction(self._fn.__get__(instance, owner), self._options)
+                store[key] = bound
+        except TypeError:  # not weakly referenceable: __slots__ without __dict__ or __weakref__
+            raise TypeError(f"{type(instance).__name__}.{self._fn.__name__}: a batched method keeps one batcher "
+                            f"per instance, which needs '__dict__' or '__weakref__' in {type(instance).__name__}"
+                            f".__slots__") from None
         return bound
+
+    def __reduce__(self):
+        """Pickled by name, as a function is (multiprocessing's spawn): the other process gets its own
+        batcher of the same function."""
+        module, name = getattr(self, "__module__", None), getattr(self, "__qualname__", None)
+        if module is None or name is None or _lookup(module, name) is not self:
+            raise TypeError(f"cannot pickle the batched function {name}: only one defined at a module's top "
+                            f"level is pickled (by name)")
+        return _lookup, (module, name)
+
+
+def _lookup(module: str, qualname: str) -> Any:
+    import importlib
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _as_list(items: Iterable) -> list | Sequence:
+    """`many`'s items: a list or tuple as given, any other iterable (a generator) read into a list."""
+    if isinstance(items, (list, tuple)):
+        return items
+    if isinstance(items, (str, bytes, dict)) or not hasattr(items, "__iter__"):
+        raise TypeError(f"many() takes an iterable of items, got {type(items).__name__}; for one item, call "
+                        f"the function itself")
+    return list(items)
 
 
 def _make_processor(fn: Callable, options: dict[str, Any]) -> BatchProcessor:
@@ -156,12 +205,22 @@ def dynamically(fn: Callable | None = None, /, *, batch_size: int = 32, timeout_
                    max_batch_cost=max_batch_cost, split_on_error=split_on_error, tensors=tensors,
                    pad_token=pad_token, target_latency_ms=target_latency_ms, min_batch_size=min_batch_size,
                    length=length, buckets=buckets, workers=workers, replicas=replicas)
-    _make_processor(lambda items: items, options)  # validate now
+    if fn is not None and not callable(fn):
+        raise TypeError(f"dynamically({fn!r}): give the options by name, e.g. @bp.dynamically(batch_size={fn!r})"
+                        if _is_int(fn) else f"dynamically() wraps a function, got {type(fn).__name__} {fn!r}")
+    check_options(**{k: v for k, v in options.items() if k not in ("workers", "replicas")})
+    _make_processor(lambda items: items, options)  # validate the rest now
 
     def wrap(f: Callable) -> DynamicFunction:
+        if not callable(f):
+            raise TypeError(f"dynamically(...) wraps a function, got {type(f).__name__} {f!r}")
         return DynamicFunction(f, options)
 
     return wrap(fn) if fn is not None else wrap
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _check_priority(priority) -> None:

@@ -38,13 +38,14 @@ def _auto_bucket(length: float) -> int:
     return 0 if length <= 1 else math.ceil(2 * math.log2(length))
 
 
-def checked_length(length: Callable[[Any], float]) -> Callable[[Any], float]:
-    """`length`, with a clear error for a result that is not a length."""
+def checked_length(length: Callable[[Any], float], name: str = "length",
+                   meaning: str = "the item's length in tokens") -> Callable[[Any], float]:
+    """`length` (or `cost`), with a clear error for a result that is not a finite number >= 0."""
     def measure(item: Any) -> float:
         n = length(item)
-        if isinstance(n, bool) or not isinstance(n, numbers.Real) or not n >= 0:  # NaN fails too
-            raise ValueError(f"length(item) returned {n!r} for {_short(item)}: it must be a number >= 0 "
-                             f"(the item's length in tokens)")
+        if isinstance(n, bool) or not isinstance(n, numbers.Real) or not 0 <= n < math.inf:  # NaN fails too
+            raise ValueError(f"{name}(item) returned {n!r} for {_short(item)}: it must be a finite number >= 0 "
+                             f"({meaning})")
         return n
     return measure
 

@@ -13,13 +13,16 @@ callers' side.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
+import weakref
 from typing import Any, Callable, Iterable, Sequence
 
 from .errors import BatchSizeMismatch, DeadlineExceeded, QueueFull, WorkerDied, Withdrawn
 from .groups import _Group, _LoopBuffer, hand_over, new_lock
 from .lengths import bucket_function, checked_length
+from .options import check_options
 from .queue import ITEMS, RunQueue
 from .results import Failure, unwrap, value
 from .sizing import BatchSizer
@@ -32,13 +35,20 @@ __all__ = ["IDLE_EXIT_S", "BatchProcessor", "BatchSizeMismatch", "DeadlineExceed
 # The worker thread ends after this many seconds without items (the next call starts another), so
 # that an idle batcher holds no thread, and a method's batcher does not keep its instance alive.
 IDLE_EXIT_S = 2.0
+# Every processor alive, to be reset in a forked child (`_after_fork`).
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:
+    for processor in list(_live):
+        processor._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
 # Each thread keeps the one-item group of its last plain call for its next one: a finished
 # group's lock is held again by its caller, as a new one's is, so reuse skips making a lock.
 _spare = threading.local()
-
-
-async def _await(waiter: Waiter) -> Any:
-    return await waiter
 
 
 class BatchProcessor(RunQueue, Worker):
@@ -49,16 +59,21 @@ class BatchProcessor(RunQueue, Worker):
                  length: Callable[[Any], float] | None = None, buckets: Sequence[float] | str | None = None,
                  workers: int | None = None, replicas: Sequence | Callable[[int], Any] | None = None,
                  name: str | None = None):
-        _check_options(batch_size, timeout_ms, max_queue, cost, max_batch_cost, target_latency_ms, min_batch_size,
-                       length, buckets)
+        check_options(batch_size=batch_size, timeout_ms=timeout_ms, small_batch_threshold=small_batch_threshold,
+                      max_queue=max_queue, block_when_full=block_when_full, cost=cost, max_batch_cost=max_batch_cost,
+                      split_on_error=split_on_error, target_latency_ms=target_latency_ms,
+                      min_batch_size=min_batch_size, length=length, buckets=buckets)
         self.fn = fn
         self.timeout = timeout_ms / 1000
         self.small_batch_threshold = small_batch_threshold
         self.max_queue, self.block_when_full = max_queue, block_when_full
-        self.cost, self.max_batch_cost = cost, max_batch_cost
+        self.max_batch_cost = max_batch_cost
         # `length`: each item's length in tokens (its own run, its bucket, padded-token budgets)
         self.length = None if length is None else checked_length(length)
         self._bucket_of = bucket_function(buckets)
+        if cost is not None:
+            cost = checked_length(cost, "cost", "the item's share of max_batch_cost")
+        self.cost = cost
         self._item_cost = cost or self.length  # one run per item, so that batches can be cut at any item
         self.split_on_error = split_on_error
         self.name = name or getattr(fn, "__qualname__", "function")
@@ -82,6 +97,24 @@ class BatchProcessor(RunQueue, Worker):
         self._worker: threading.Thread | None = None  # set while every slot has a worker thread
         self._buffers: dict[asyncio.AbstractEventLoop, _LoopBuffer] = {}
         self._idle = 0  # workers that wait for a first item (and must be woken for it)
+        _live.add(self)
+
+    def _after_fork(self) -> None:
+        """In a child process: its worker threads were not copied (only the thread that forked
+        was), and a lock a parent's thread held is held for ever. New locks, no workers: the
+        child's first call starts its own; replicas from a factory are made again (a CUDA context
+        does not survive a fork). What was queued stays queued and runs in the child too."""
+        lock = self._lock = new_lock()
+        self._cond = threading.Condition(lock)
+        self._room = threading.Condition(lock)
+        self._results_lock = new_lock()
+        self._worker = None
+        self._idle = 0
+        self._buffers = {}
+        for slot in self._slots:
+            slot.thread, slot.loop, slot.done = None, None, []
+            if self._replica_factory is not None:
+                slot.replica = NEW_REPLICA
 
     @property
     def idle_exit_s(self) -> float:
@@ -227,44 +260,26 @@ class BatchProcessor(RunQueue, Worker):
             buf.loop.call_soon(resolve, [group])
 
     async def await_group(self, group: _Group, start: int, stop: int, timeout: float | None) -> list:
+        waiter = Waiter(group, start, stop)
         if timeout is None:
-            return await Waiter(group, start, stop)
-        try:  # cancelling this caller's waiter leaves the others in its group waiting
-            return await asyncio.wait_for(_await(Waiter(group, start, stop)), timeout)
-        except asyncio.TimeoutError:
-            raise DeadlineExceeded(f"{self.name}: no result within the {timeout}s deadline") from None
+            return await waiter
+        # The deadline cancels this caller's waiter alone (the others in its group wait on). Not
+        # asyncio.wait_for: its inner task would raise a KeyboardInterrupt or SystemExit that the
+        # function raised out of the caller's event loop as well, after the caller got it.
+        expired = []
+        handle = asyncio.get_running_loop().call_later(max(timeout, 0), lambda: waiter.cancel() and expired.append(1))
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if expired:
+                raise DeadlineExceeded(f"{self.name}: no result within the {timeout:g}s deadline") from None
+            raise
+        finally:
+            handle.cancel()
 
     @property
     def stats(self) -> BatchStats:
         return self._stats.snapshot(self._size, self.batch_size, self._sizer.ooms)
-
-
-def _check_options(batch_size, timeout_ms, max_queue, cost, max_batch_cost, target_latency_ms, min_batch_size,
-                   length, buckets) -> None:
-    """A ValueError naming the option and the fix."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if timeout_ms < 0:
-        raise ValueError(f"timeout_ms must be >= 0, got {timeout_ms}")
-    if cost is not None and max_batch_cost is None:
-        raise ValueError("give cost= and max_batch_cost= together")
-    if max_batch_cost is not None and cost is None and length is None:
-        raise ValueError("give cost= and max_batch_cost= together (or length= with max_batch_cost=, for a "
-                         "budget of padded tokens)")
-    if cost is not None and length is not None:
-        raise ValueError("give cost= or length=, not both: with length=, max_batch_cost counts padded tokens "
-                         "(batch size x longest length)")
-    if max_queue is not None and max_queue < 1:
-        raise ValueError(f"max_queue must be >= 1, got {max_queue}")
-    if target_latency_ms is not None and not target_latency_ms > 0:
-        raise ValueError(f"target_latency_ms must be > 0, got {target_latency_ms}")
-    if not 1 <= min_batch_size <= batch_size:
-        raise ValueError(f"min_batch_size must be between 1 and batch_size={batch_size}, got {min_batch_size}")
-    if buckets is not None and length is None:
-        raise ValueError("buckets= groups items by length: give length= too (a function of an item, e.g. "
-                         "length=len), or use the tensor variant (pad_token= or tensors=True), whose items have "
-                         "their own lengths")
-    bucket_function(buckets)  # checks the boundaries
 
 
 def _worker_slots(workers: int | None, replicas) -> list[WorkerSlot]:

@@ -11,7 +11,7 @@ import time
 from collections import deque
 from operator import itemgetter
 
-from .errors import QueueFull
+from .errors import DeadlineExceeded, QueueFull
 from .lengths import BucketTally
 
 # The queue holds runs: consecutive items of one group, as a plain tuple (few objects, so that
@@ -45,7 +45,7 @@ class RunQueue:
         with self._cond:
             n = sum(len(r[ITEMS]) for r in runs) if len(runs) > 1 else len(runs[0][ITEMS])
             if self.max_queue is not None and runs[0][GROUP].loop is None:
-                self._wait_for_room(n)
+                self._wait_for_room(n, runs[0][DEADLINE])
             if self._worker is None:  # first, so that a worker that cannot start leaves nothing queued
                 self._start_worker()
             was_empty = not self._size
@@ -63,7 +63,7 @@ class RunQueue:
         bucket_of = self._bucket_of
         with self._cond:
             if self.max_queue is not None and thread_call:
-                self._wait_for_room(n)
+                self._wait_for_room(n, keyed[0][2][DEADLINE])
             if self._worker is None:
                 self._start_worker()
             was_empty = not self._size
@@ -118,14 +118,23 @@ class RunQueue:
         return self._size >= self.batch_size or (
             self.max_batch_cost is not None and self._queued_cost >= self.max_batch_cost)
 
-    def _wait_for_room(self, n: int) -> None:
+    def _wait_for_room(self, n: int, deadline: float | None = None) -> None:
+        """Under the lock: until the queue has room for `n` more items (block_when_full), or the
+        call's deadline passes."""
         if n > self.max_queue:
             raise QueueFull(f"{self.name}: {n} items exceed max_queue={self.max_queue}")
         while self._size + n > self.max_queue:
             if not self.block_when_full:
                 raise QueueFull(f"{self.name}: the queue holds max_queue={self.max_queue} items; retry "
                                 f"later, or create the batcher with block_when_full=True")
-            self._room.wait()
+            if deadline is None:
+                self._room.wait()
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceeded(f"{self.name}: no room in the queue (max_queue={self.max_queue}) within the "
+                                       f"call's deadline")
+            self._room.wait(left)
 
     def _pop_batch(self) -> list[_Run]:
         """Under the lock: take the next batch off the queue."""

@@ -17,15 +17,19 @@ from .results import value
 from .waiter import Waiter
 
 
-def chunk_size(processor, max_in_flight: int) -> int:
-    """Big enough to fill batches, small enough that a few chunks are in flight at once."""
+def in_flight_limit(processor, max_in_flight: int) -> tuple[int, int]:
+    """(max_in_flight, chunk size): within the batcher's max_queue, which a stream that queues
+    more than it holds would fill by itself; chunks big enough to fill batches, small enough that
+    a few are in flight at once."""
     if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
         raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
-    return max(1, min(processor.max_batch_size, max_in_flight // 4))
+    if processor.max_queue is not None:
+        max_in_flight = min(max_in_flight, processor.max_queue)
+    return max_in_flight, max(1, min(processor.max_batch_size, max_in_flight // 4))
 
 
 def imap(processor, items: Iterable, max_in_flight: int, priority: int) -> Iterator:
-    chunk = chunk_size(processor, max_in_flight)
+    max_in_flight, chunk = in_flight_limit(processor, max_in_flight)
     source = iter(items)
     pending: deque = deque()  # groups, oldest first
     in_flight = 0  # items taken from `source` and not yet yielded
@@ -54,7 +58,7 @@ def imap(processor, items: Iterable, max_in_flight: int, priority: int) -> Itera
 
 
 async def aimap(processor, items: Iterable | AsyncIterable, max_in_flight: int, priority: int) -> AsyncIterator:
-    chunk = chunk_size(processor, max_in_flight)
+    max_in_flight, chunk = in_flight_limit(processor, max_in_flight)
     loop = asyncio.get_running_loop()
     take = _async_taker(items)
     pending: deque = deque()  # (group, start, stop), oldest first

@@ -4,6 +4,8 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
+from .errors import BatchSizeMismatch
+
 
 def _is_torch(x: Any) -> bool:
     return type(x).__module__.startswith("torch")
@@ -36,14 +38,35 @@ def pad_stack(items: list[dict[str, Any]], pad_token: dict[str, Any]) -> dict[st
     return out
 
 
-def split(outputs: Any, n: int) -> list:
-    """Per-item outputs from a batched output: an array/tensor [B, ...], a dict of them, or a list."""
+def split(outputs: Any, n: int, where: str = "the output") -> list:
+    """Per-item outputs from a batched output: an array/tensor [B, ...], a dict or a tuple of them
+    (each item gets a dict or a tuple of its parts), or a list (already one result per item)."""
     if isinstance(outputs, dict):
-        parts = {k: split(v, n) for k, v in outputs.items()}
+        parts = {k: split(v, n, f"{where}[{k!r}]") for k, v in outputs.items()}
         return [{k: parts[k][i] for k in parts} for i in range(n)]
-    if isinstance(outputs, (list, tuple)):
-        return list(outputs)
-    return [outputs[i] for i in range(len(outputs))]
+    if isinstance(outputs, tuple):  # (logits, hidden), as models return them: split each part
+        parts = [split(v, n, f"{where}[{j}]") for j, v in enumerate(outputs)]
+        return [tuple(p[i] for p in parts) for i in range(n)]
+    if isinstance(outputs, list):
+        return outputs
+    size = _leading(outputs)
+    if size != n:
+        shape = getattr(outputs, "shape", None)
+        raise BatchSizeMismatch(f"{where} has " + (f"shape {tuple(shape)}" if shape is not None else
+                                                   f"type {type(outputs).__name__}")
+                                + f": it must have one row per item, {n} rows (a first dimension of the batch size)")
+    return [outputs[i] for i in range(n)]
+
+
+def _leading(x: Any) -> int | None:
+    """The first dimension of an array or tensor (None for a scalar or what has no length)."""
+    shape = getattr(x, "shape", None)
+    if shape is not None:
+        return int(shape[0]) if len(shape) else None
+    try:
+        return len(x)
+    except TypeError:
+        return None
 
 
 class TensorBatcher:

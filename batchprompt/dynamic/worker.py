@@ -61,9 +61,13 @@ class Worker:
     def _run(self, slot: WorkerSlot) -> None:
         batch: list[_Run] | None = None
         finished: list[_Group] = []
-        try:
-            if slot.replica is NEW_REPLICA:  # made on the worker's own thread (a CUDA context, say)
+        if slot.replica is NEW_REPLICA:  # made on the worker's own thread (a CUDA context, say)
+            try:
                 slot.replica = self._replica_factory(slot.index)
+            except BaseException as e:  # noqa: BLE001 - the callers get the factory's error (the next
+                self._died(slot, e, None, finished)  # call tries again); not a defect of the batcher
+                return
+        try:
             while True:
                 batch = self._take(slot)
                 if batch is None:
@@ -245,6 +249,9 @@ class Worker:
         lat = self._stats.latencies
         with self._results_lock:  # several workers may fill one group's slots
             slot.done.extend(runs)
+            failed = sum(isinstance(r, BaseException) for r in out)  # errors the function put in slots
+            if failed:
+                self._stats.errors += failed
             if len(out) == len(runs):  # one item per run (thread calls): no slicing
                 lat.extend([end - q for q in queued])
                 for run, result in zip(runs, out):

@@ -1,0 +1,194 @@
+"""bp.dynamically at the edges: a forked child, the caller's event loop after a KeyboardInterrupt
+or SystemExit, tuple outputs of the tensor variant, streams within max_queue, pickling, methods of
+classes without a __dict__, and a replica factory that fails."""
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import sys
+import threading
+
+import pytest
+import torch
+
+import batchprompt as bp
+
+from .helpers import LIMIT_S, Recorder
+
+
+@bp.dynamically(batch_size=4, timeout_ms=1)
+def doubled(items):
+    return [x * 2 for x in items]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_gets_its_own_worker():
+    """Forked while the parent's worker thread was alive: the child's call returned nothing, ever."""
+    assert doubled(1) == 2  # the parent's worker is alive now (it idles for seconds before it ends)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: answer through the pipe, end without running the parent's tests
+        code = 1
+        try:
+            got = doubled.many([20, 1], timeout=5)
+            os.write(write, repr(got).encode())
+            code = 0
+        except BaseException as e:  # noqa: BLE001
+            os.write(write, repr(e).encode())
+        finally:
+            os._exit(code)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    answer = os.read(read, 1000).decode()
+    os.close(read)
+    assert answer == "[40, 2]" and os.waitstatus_to_exitcode(status) == 0, answer
+    assert doubled(3) == 6  # the parent's batcher goes on
+
+
+@pytest.mark.parametrize("stop", [SystemExit, KeyboardInterrupt])
+def test_a_stop_raised_by_the_function_reaches_a_caller_with_a_timeout_and_not_its_loop(stop):
+    """With timeout= the caller caught the SystemExit, and then asyncio.run raised it again and
+    cancelled the loop's other tasks."""
+    calls = []
+
+    def fn(items):
+        calls.append(items)
+        if len(calls) == 1:
+            raise stop()
+        return list(items)
+
+    f = bp.dynamically(batch_size=4, timeout_ms=1)(fn)
+
+    async def other():
+        await asyncio.sleep(0.2)
+        return "other done"
+
+    async def main():
+        task = asyncio.create_task(other())
+        with pytest.raises(stop):
+            await f.acall(1, timeout=LIMIT_S)
+        assert await f.acall(2, timeout=LIMIT_S) == 2
+        return await task
+
+    assert asyncio.run(main()) == "other done"
+
+
+def test_a_call_timeout_ends_the_wait_of_that_caller_alone():
+    release = threading.Event()
+
+    def hold(items):
+        release.wait(LIMIT_S)
+        return list(items)
+
+    f = bp.dynamically(batch_size=8, timeout_ms=20)(hold)
+
+    async def main():
+        patient = asyncio.create_task(f.acall(1))
+        with pytest.raises(bp.DeadlineExceeded):
+            await f.acall(2, timeout=0.1)
+        release.set()
+        return await patient
+
+    assert asyncio.run(main()) == 1
+
+
+def test_the_tensor_variant_splits_a_tuple_output_per_item():
+    """A tuple (sums, maxes) went to the callers whole: with as many items as parts, caller 0
+    got both sums and caller 1 both maxes."""
+    @bp.dynamically(batch_size=2, timeout_ms=20, tensors=True)
+    def stats(batch):
+        ids = batch["input_ids"].float()
+        return ids.sum(dim=1), ids.max(dim=1).values
+
+    got = stats.many([{"input_ids": torch.arange(3)}, {"input_ids": torch.arange(5)}])
+    assert [tuple(float(v) for v in g) for g in got] == [(3.0, 2.0), (10.0, 4.0)]
+
+
+@pytest.mark.parametrize("output, named", [
+    (lambda b: torch.tensor(1.0), "shape ()"),
+    (lambda b: {"score": 7}, r"\['score'\]"),
+    (lambda b: torch.zeros(3, 2), r"shape \(3, 2\)"),
+])
+def test_a_tensor_output_without_a_row_per_item_is_a_batch_size_mismatch(output, named):
+    f = bp.dynamically(batch_size=2, timeout_ms=20, tensors=True)(output)
+    with pytest.raises(bp.BatchSizeMismatch, match=named):
+        f.many([{"input_ids": torch.arange(3)}, {"input_ids": torch.arange(5)}])
+
+
+def test_a_stream_keeps_within_max_queue():
+    """max_in_flight above max_queue failed at the first item, with no other caller."""
+    f = bp.dynamically(batch_size=4, timeout_ms=1, max_queue=8)(Recorder())
+    assert list(f.imap(range(100))) == [x * 10 for x in range(100)]
+
+    async def main():
+        return [r async for r in f.aimap(range(50))]
+
+    assert asyncio.run(main()) == [x * 10 for x in range(50)]
+
+
+def test_errors_put_in_slots_count_in_the_stats():
+    f = bp.dynamically(batch_size=4, timeout_ms=20)(lambda items: [ValueError(x) if x < 0 else x for x in items])
+    with pytest.raises(ValueError):
+        f.many([1, -1, -2])
+    assert f(3) == 3
+    assert f.stats.errors == 2
+
+
+def test_a_top_level_batched_function_pickles_by_name():
+    assert pickle.loads(pickle.dumps(doubled)) is doubled
+    local = bp.dynamically(lambda items: items)
+    with pytest.raises((TypeError, pickle.PicklingError), match="top level"):
+        pickle.dumps(local)
+
+
+def test_batched_methods_of_classes_without_an_instance_dict():
+    class Slotted:
+        __slots__ = ("k", "__weakref__")
+
+        def __init__(self, k):
+            self.k = k
+
+        @bp.dynamically(batch_size=4, timeout_ms=1)
+        def run(self, items):
+            return [x * self.k for x in items]
+
+    class Bare:
+        __slots__ = ()
+
+        @bp.dynamically(batch_size=4, timeout_ms=1)
+        def run(self, items):
+            return list(items)
+
+    a, b = Slotted(2), Slotted(3)
+    assert (a.run(5), b.run(5)) == (10, 15)
+    with pytest.raises(TypeError, match="__weakref__"):
+        Bare().run(1)
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 13), reason="classmethod no longer wraps descriptors")
+def test_a_batched_classmethod():
+    class Model:
+        factor = 4
+
+        @classmethod
+        @bp.dynamically(batch_size=4, timeout_ms=1)
+        def run(cls, items):
+            return [x * cls.factor for x in items]
+
+    assert Model.run(2) == 8
+
+
+def test_a_failing_replica_factory_reaches_the_callers_and_prints_no_thread_traceback(monkeypatch):
+    hooked = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: hooked.append(args))
+
+    def factory(i):
+        raise RuntimeError("no GPU here")
+
+    f = bp.dynamically(batch_size=4, timeout_ms=1, replicas=factory)(lambda items, replica: list(items))
+    with pytest.raises(RuntimeError, match="no GPU here"):
+        f(1, timeout=LIMIT_S)
+    with pytest.raises(RuntimeError, match="no GPU here"):  # the next call tries the factory again
+        f(2, timeout=LIMIT_S)
+    assert hooked == []
