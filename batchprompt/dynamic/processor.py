@@ -262,7 +262,11 @@ class BatchProcessor(RunQueue, Worker):
     async def await_group(self, group: _Group, start: int, stop: int, timeout: float | None) -> list:
         waiter = Waiter(group, start, stop)
         if timeout is None:
-            return await waiter
+            try:
+                return await waiter
+            except asyncio.CancelledError:
+                self._withdraw_own(group, start, stop)
+                raise
         # The deadline cancels this caller's waiter alone (the others in its group wait on). Not
         # asyncio.wait_for: its inner task would raise a KeyboardInterrupt or SystemExit that the
         # function raised out of the caller's event loop as well, after the caller got it.
@@ -271,11 +275,18 @@ class BatchProcessor(RunQueue, Worker):
         try:
             return await waiter
         except asyncio.CancelledError:
+            self._withdraw_own(group, start, stop)
             if expired:
                 raise DeadlineExceeded(f"{self.name}: no result within the {timeout:g}s deadline") from None
             raise
         finally:
             handle.cancel()
+
+    def _withdraw_own(self, group: _Group, start: int, stop: int) -> None:
+        """A cancelled asyncio caller: its items still queued are taken off the queue when the group
+        is its own (items of other callers of the same loop turn may share a group; they stay)."""
+        if not group.resolved and start == 0 and stop == len(group.results):
+            self.withdraw([group])
 
     @property
     def stats(self) -> BatchStats:

@@ -192,3 +192,24 @@ def test_a_failing_replica_factory_reaches_the_callers_and_prints_no_thread_trac
     with pytest.raises(RuntimeError, match="no GPU here"):  # the next call tries the factory again
         f(2, timeout=LIMIT_S)
     assert hooked == []
+
+
+def test_a_cancelled_amany_takes_its_queued_items_off_the_queue():
+    """They stayed queued and ran for nobody, ahead of later calls."""
+    rec = Recorder(hold_first=True)
+    f = bp.dynamically(batch_size=2, timeout_ms=1)(rec)
+
+    async def main():
+        first = asyncio.create_task(f.acall(0))  # runs, held
+        while not rec.started.is_set():
+            await asyncio.sleep(0.001)
+        gone = asyncio.create_task(f.amany([1, 2, 3, 4]))
+        await asyncio.sleep(0.05)
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        rec.release.set()
+        return await first, await f.acall(5)
+
+    assert asyncio.run(main()) == (0, 50)
+    assert rec.batches == [[0], [5]] and f.stats.withdrawn == 4
