@@ -371,15 +371,14 @@ class LLMEngine:
                 continue
             token = out.sampled[req.request_id]
             req.append_token(token, out.logprobs.get(req.request_id))
-            reason = None
+            reason = error = None
             if req.matcher is not None:
-                reason = advance_grammar(req, token, self.config.jump_forward, self.max_model_len,
-                                         self.tokenizer, self.eos_token_ids)
+                reason, error = advance_grammar(req, token, self.config.jump_forward, self.max_model_len,
+                                                self.tokenizer, self.eos_token_ids)
             reason = reason or check_stop(req, self.eos_token_ids, self.max_model_len, self.tokenizer)
             if reason:
-                self.scheduler.finish(req)
-                if reason != "error":
-                    req.finish(reason)
+                self.scheduler.finish(req)  # first: it takes a request off the running list while it runs
+                req.finish(reason, error)
                 done.append(self._finish_output(req))
         return done, decode_chunks
 

@@ -6,9 +6,10 @@ from .request import Request
 
 
 def advance_grammar(req: Request, token: int, jump_forward: bool, max_model_len: int,
-                    tokenizer, eos_token_ids: frozenset[int]) -> str | None:
-    """Move the request's grammar past `token`: 'stop' once the grammar is complete, 'error'
-    (the request finished with its message) when it cannot be, None to go on.
+                    tokenizer, eos_token_ids: frozenset[int]) -> tuple[str | None, str | None]:
+    """Move the request's grammar past `token`: ('stop', None) once the grammar is complete,
+    ('error', message) when it cannot be, (None, None) to go on. The caller finishes the request
+    (after taking it off the scheduler, which leaves a request already finished where it is).
 
     Jump-forward: where the grammar allows one continuation only (a JSON key, the rest of
     a label), those tokens are appended at once and computed together in the next step,
@@ -17,8 +18,7 @@ def advance_grammar(req: Request, token: int, jump_forward: bool, max_model_len:
     # A matcher in error here hit a dead end while computing this step's mask (no text
     # continues the output to a match) and let only EOS through: that EOS is no answer.
     if m.is_error() or not m.consume_token(token):
-        req.finish("error", _failure(req, token, tokenizer, eos_token_ids))
-        return "error"
+        return "error", _failure(req, token, tokenizer, eos_token_ids)
     p = req.params
     if jump_forward and not (m.is_stopped() or p.logprobs or p.stop or p.stop_token_ids):
         room = min(p.max_tokens - len(req.output_token_ids), max_model_len - req.num_tokens)
@@ -27,11 +27,10 @@ def advance_grammar(req: Request, token: int, jump_forward: bool, max_model_len:
             for t in forced:
                 req.append_token(t, None)
     if not m.is_stopped():
-        return None
+        return None, None
     if m.is_accepting() and not m.is_error():
-        return "stop"
-    req.finish("error", _failure(req, token, tokenizer, eos_token_ids))
-    return "error"
+        return "stop", None
+    return "error", _failure(req, token, tokenizer, eos_token_ids)
 
 
 def _failure(req: Request, token: int, tokenizer, eos_token_ids: frozenset[int]) -> str:

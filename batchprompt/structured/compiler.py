@@ -61,10 +61,11 @@ class GrammarCompiler:
             text = grammar.to_llguidance()
         except ValueError as e:
             raise GrammarError(f"the {grammar.kind} cannot be used: {e}") from None
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(text, self.tokenizer)
+        limits = _limits(grammar)
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(text, self.tokenizer, limits=limits)
         if is_error:
             raise GrammarError(f"the grammar engine rejected the {grammar.kind}: {messages[0].strip()}")
-        matcher = LLMatcher(self.tokenizer, text, log_level=0)
+        matcher = LLMatcher(self.tokenizer, text, log_level=0, limits=limits)
         if matcher.is_error():
             raise GrammarError(f"the grammar engine rejected the {grammar.kind}: {matcher.get_error()}")
         reason = dead_end(matcher.deep_copy())  # one mask: a grammar that nothing matches fails now
@@ -73,3 +74,13 @@ class GrammarCompiler:
                                f"fix the {grammar.kind}" if is_no_match(reason) else
                                f"the grammar engine stopped on the {grammar.kind}: {reason}")
         return matcher
+
+
+def _limits(grammar: Grammar):
+    """llguidance's parser limits: its own, but for choices a row as wide as the labels (its
+    default of 2,000 items a row failed a list of more labels at its first token)."""
+    if grammar.kind != "choices":
+        return None
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(max_items_in_row=max(2000, 2 * grammar.num_labels + 16))

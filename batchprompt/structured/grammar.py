@@ -70,6 +70,11 @@ class Grammar:
         return cls("lark", text)
 
     @property
+    def num_labels(self) -> int:
+        """How many labels a choices grammar has (0 for other kinds)."""
+        return len(json.loads(self.source)["labels"]) if self.kind == "choices" else 0
+
+    @property
     def is_json(self) -> bool:
         return self.kind in ("json_schema", "json_object")
 

@@ -143,6 +143,29 @@ def test_a_grammar_that_no_text_completes_fails_its_requests(engine32, jump_forw
     assert "lark cannot be satisfied: nothing can follow 'spam'" in outs[2].error
     assert outs[3].ok and outs[3].text in ("spam", "ham")
     assert eng.pool.num_used == 0
+    # The failed request left the running list too: it stayed there and failed every later step
+    # (KeyError in the engine) and every request in it.
+    assert not eng.scheduler.running
+    again = eng.generate([p] * 2, [SamplingParams(max_tokens=8, temperature=0, grammar=good),
+                                   SamplingParams(max_tokens=4, temperature=0)])
+    assert all(o.ok for o in again), again
+
+
+def test_a_grammar_that_fails_mid_answer_fails_alone_and_choices_may_be_many(engine32):
+    """A Lark grammar of 2,001 alternatives passes its checks and then meets the grammar engine's
+    limit at its first token; requests beside it finish. Choices of 2,001 labels work."""
+    tok, model = engine32.tokenizer, engine32.model
+    eng = LLMEngine.from_model(model, tok, EngineConfig())
+    p = tok.encode_prompt("Pick one.", SPAM_SYSTEM)
+    wide = Grammar.lark("start: " + " | ".join(f'"y{i}"' for i in range(2001)))
+    labels = [f"x{i}" for i in range(2001)]
+    outs = eng.generate([p] * 4, [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)] * 2
+                        + [SamplingParams(max_tokens=8, temperature=0, grammar=wide),
+                           SamplingParams(max_tokens=8, temperature=0, grammar=Grammar.choices(labels))])
+    assert [o.finish_reason for o in outs[:2]] == ["length", "length"]
+    assert outs[2].finish_reason == "error" and "max is 2000" in outs[2].error, outs[2]
+    assert outs[3].ok and outs[3].text in labels, outs[3]
+    assert not eng.scheduler.running and eng.pool.num_used == 0
 
 
 def test_scoring_a_choice_longer_than_the_kv_budget_fails_alone(tiny_model):
