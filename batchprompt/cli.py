@@ -34,7 +34,8 @@ Structured output: a body's response_format ({"type": "json_schema", "json_schem
 ...}} or {"type": "json_object"}), or vLLM's guided_choice / guided_regex / guided_json /
 guided_grammar or structured_outputs {"choice"|"regex"|"json"|"grammar": ...}; --choices,
 --regex and --json-schema apply to rows that ask for none. An answer cut by max_tokens before it
-completed its constraint is an error for that row.
+completed its constraint is written as OpenAI and vLLM give it: the partial text with
+finish_reason "length" (check it before parsing).
 
 The job is journaled (OUTPUT.journal, SQLite): after a crash, Ctrl-C, SIGTERM or kill -9, run
 the same command again to resume: only unfinished rows run. One run at a time per journal: a

@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import AsyncIterator, Callable, Iterator
 
 from ..engine import RequestOutput
@@ -64,6 +65,10 @@ class Batch:
         self._started_at: float | None = None
         self._finished_at: float | None = None
         self._bar = None
+        # Why the batch was cancelled by its owner (the session destroyed): its unfinished results
+        # say so, and a one-prompt call raises this error type instead of ValueError.
+        self._cancel_reason: str | None = None
+        self._cancel_error: type[Exception] | None = None
 
     # ---- set-up ---------------------------------------------------------------------------
     def on_result(self, fn: Callable[[int, Result], None]) -> "Batch":
@@ -147,6 +152,8 @@ class Batch:
 
     # ---- results --------------------------------------------------------------------------
     def _deliver(self, result: Result) -> None:
+        if result.finish_reason == "cancelled" and self._cancel_reason is not None:
+            result = replace(result, error=self._cancel_reason)
         with self._lock:
             if self._results[result.index] is not None:
                 return
@@ -226,6 +233,27 @@ class Batch:
             except EngineStoppedError:
                 pass
 
+    def cancel_for(self, reason: str, error: type[Exception]) -> None:
+        """Cancel without waiting, because its owner went away (a destroyed session): the
+        unfinished results say `reason`, and `raise_for` raises `error` for them. A batch not
+        started yet is answered at once, and start() then runs nothing."""
+        with self._start_lock:
+            if self._cancel_reason is None:
+                self._cancel_reason, self._cancel_error = reason, error
+        self.abandon()
+
+    def raise_for(self, result: Result) -> None:
+        """A one-prompt call's error (prompt(), prompt_streaming()): ValueError for a prompt that
+        failed; what cancelled it for one cancelled (SessionDestroyedError, EngineStoppedError)."""
+        if result.error is None:
+            return
+        if result.finish_reason == "cancelled":
+            if self._cancel_error is not None:
+                raise self._cancel_error(result.error)
+            if self._service.stopped:
+                raise EngineStoppedError(result.error)
+        raise ValueError(result.error)
+
     def request_cancel(self) -> Future | None:
         """cancel() without waiting (safe on any thread, never blocks): the engine thread is
         asked to drop what has not finished. The future (None if nothing had started) resolves
@@ -252,7 +280,8 @@ class Batch:
         self._started_at = time.monotonic()
         self._source = Source(cancelled=True)
         for p in self._prepared:
-            self._deliver(Result(index=p.index, finish_reason="cancelled", error="cancelled before it started"))
+            self._deliver(Result(index=p.index, finish_reason="cancelled",
+                                 error=self._cancel_reason or "cancelled before it started"))
         if self.total == 0:
             self._complete()
 

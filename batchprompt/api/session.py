@@ -32,6 +32,7 @@ from ..backends import INTERACTIVE, Backend, get_backend
 Message = dict[str, str]
 Prompt = str | Sequence[Message]
 _session_ids = itertools.count()
+DESTROYED = "cancelled: the session was destroyed"
 
 
 class LanguageModel:
@@ -47,6 +48,7 @@ class LanguageModel:
         self._name = f"session-{next(_session_ids)}"
         self._destroyed = False
         self._lock = threading.Lock()
+        self._batches: weakref.WeakSet[Batch] = weakref.WeakSet()  # cancelled by destroy()
         self.prefix_token_ids = self._prefix_ids()
         if _pin_from is not None:
             self.pinned_tokens = service.copy_pin(_pin_from, self._name).result()
@@ -108,8 +110,9 @@ class LanguageModel:
 
     def _prepare(self, prompts: Iterable[Prompt], options: dict[str, Any]) -> list[Prepared]:
         self._check_alive()
-        if isinstance(prompts, str):
-            raise TypeError("batch_prompt takes a list of prompts; for one prompt use prompt()")
+        if isinstance(prompts, (str, dict)) or not hasattr(prompts, "__iter__"):
+            raise TypeError(f"batch_prompt takes a list of prompts, got {type(prompts).__name__} {prompts!r:.40}; "
+                            f"for one prompt give [prompt], or use a session's prompt()")
         params, spec = self.options.merged(options).sampling_params(self._service.tokenizer)
         out = []
         limit = getattr(self._service, "max_model_len", None)
@@ -138,7 +141,15 @@ class LanguageModel:
         """A streaming batch (not started: call start(), wait(), or iterate it). `priority`:
         `batchprompt.backends.BULK` runs it behind interactive calls (never starved), as the server runs
         background batches."""
-        return Batch(self._service, self._prepare(prompts, options), progress=progress, priority=priority)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an int (batchprompt.backends.INTERACTIVE or BULK), got {priority!r}")
+        batch = Batch(self._service, self._prepare(prompts, options), progress=progress, priority=priority)
+        with self._lock:
+            if self._destroyed:  # destroyed meanwhile, by another thread
+                batch.cancel_for(DESTROYED, SessionDestroyedError)
+            else:
+                self._batches.add(batch)
+        return batch
 
     def batch_prompt(self, prompts: Iterable[Prompt], *, errors: str = "return", progress: bool = False,
                      **options: Any) -> list[Result]:
@@ -153,11 +164,18 @@ class LanguageModel:
         return await self.create_batch(prompts, **options).wait_async(errors=errors)
 
     def prompt(self, prompt: Prompt, **options: Any) -> str:
-        """One prompt's text; raises ValueError if it fails."""
-        return _text(self.batch_prompt([prompt], **options)[0])
+        """One prompt's text; raises ValueError if it fails (SessionDestroyedError or
+        EngineStoppedError if the session or its engine ended meanwhile)."""
+        batch = self.create_batch([prompt], **options)
+        result = batch.wait()[0]
+        batch.raise_for(result)
+        return result.text
 
     async def aprompt(self, prompt: Prompt, **options: Any) -> str:
-        return _text((await self.abatch_prompt([prompt], **options))[0])
+        batch = self.create_batch([prompt], **options)
+        result = (await batch.wait_async())[0]
+        batch.raise_for(result)
+        return result.text
 
     def prompt_streaming(self, prompt: Prompt, **options: Any) -> Iterator[str]:
         """One prompt's text in pieces as it is made (the Prompt API's promptStreaming());
@@ -177,11 +195,17 @@ class LanguageModel:
                              _pin_from=self._name)
 
     def destroy(self) -> None:
-        """Release the pinned prefix; later calls on this session fail."""
+        """Release the pinned prefix; later calls on this session fail, and its batches still
+        running are cancelled (what finished is kept): as the Prompt API's destroy() aborts the
+        session's prompts."""
         with self._lock:
             if self._destroyed:
                 return
             self._destroyed = True
+            batches = list(self._batches)
+        for batch in batches:
+            if not batch.done:
+                batch.cancel_for(DESTROYED, SessionDestroyedError)
         self._finalizer()
 
     def close(self) -> None:
@@ -214,12 +238,6 @@ class LanguageModel:
 
 def _unpin(service: Backend, name: str) -> None:
     service.close_session(name)
-
-
-def _text(result: Result) -> str:
-    if result.error is not None:
-        raise ValueError(result.error)
-    return result.text
 
 
 def _check_messages(messages: list, what: str) -> list[Message]:

@@ -21,7 +21,7 @@ POLL_S = 1.0  # how often a wait for the next piece looks whether the batch has 
 
 def text_pieces(batch: Batch, decode) -> Iterator[str]:
     if on_callback_thread():  # inside a callback no other callback runs: the text comes whole
-        yield from _whole(batch.wait()[0])
+        yield from _whole(batch, batch.wait()[0])
         return
     q: queue.SimpleQueue = queue.SimpleQueue()
     batch.on_tokens(lambda _, ids: q.put(ids), last=False)  # the end comes from the result
@@ -38,7 +38,8 @@ def text_pieces(batch: Batch, decode) -> Iterator[str]:
                 else:
                     continue
             if isinstance(got, Result):
-                piece = _check(got) and stream.finish(got.text)
+                batch.raise_for(got)
+                piece = stream.finish(got.text)
                 if piece:
                     yield piece
                 return
@@ -67,7 +68,8 @@ async def atext_pieces(batch: Batch, decode) -> AsyncIterator[str]:
                 else:
                     continue
             if isinstance(got, Result):
-                piece = _check(got) and stream.finish(got.text)
+                batch.raise_for(got)
+                piece = stream.finish(got.text)
                 if piece:
                     yield piece
                 return
@@ -79,12 +81,7 @@ async def atext_pieces(batch: Batch, decode) -> AsyncIterator[str]:
             batch.cancel()
 
 
-def _whole(result: Result) -> Iterator[str]:
-    if _check(result) and result.text:
+def _whole(batch: Batch, result: Result) -> Iterator[str]:
+    batch.raise_for(result)
+    if result.text:
         yield result.text
-
-
-def _check(result: Result) -> bool:
-    if result.error is not None:
-        raise ValueError(result.error)
-    return True

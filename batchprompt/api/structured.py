@@ -43,7 +43,7 @@ class OutputSpec:
         if response_format is not None:
             json_schema = _from_response_format(response_format, json_schema)
             schema_option = "response_format"
-        given = [n for n, v in (("choices", choices), ("regex", regex), ("json_schema", json_schema),
+        given = [n for n, v in (("choices", choices), ("regex", regex), (schema_option, json_schema),
                                 ("grammar", grammar)) if v is not None]
         if len(given) > 1:
             raise ValueError(f"give one structured-output option per call, got {' and '.join(given)}")
@@ -75,8 +75,11 @@ class OutputSpec:
             raise ValueError(f"choices: the label {self.labels[longest]!r} is {len(ids[longest])} tokens, more "
                              f"than max_tokens ({params.max_tokens}): raise max_tokens to at least "
                              f"{len(ids[longest])}")
+        if params.min_tokens > len(ids[longest]):  # it met the label's length as "max_tokens (1)"
+            raise ValueError(f"choices: min_tokens ({params.min_tokens}) is more than the longest label "
+                             f"({len(ids[longest])} tokens): an answer is one label; lower min_tokens or leave it out")
         if self.choice_mode == "score":
-            return replace(params, score_choices=ids, max_tokens=1, stop=())
+            return replace(params, score_choices=ids, max_tokens=1, stop=(), min_tokens=0)
         # A label that is a prefix of another ends with EOS, within the longest label's length.
         return replace(params, grammar=Grammar.choices(self.labels, ids), max_tokens=len(ids[longest]))
 
@@ -132,8 +135,10 @@ def _from_response_format(fmt: Any, json_schema: Any) -> Any:
         inner = fmt.get("json_schema")
         if isinstance(inner, dict) and isinstance(inner.get("schema"), dict):
             return inner["schema"]
+        got = (f"; its schema is {type(inner['schema']).__name__}, not a JSON object"
+               if isinstance(inner, dict) and "schema" in inner else "")
         raise ValueError('response_format of type json_schema needs {"json_schema": {"name": ..., '
-                         '"schema": {...}}}')
+                         '"schema": {...}}}' + got)
     raise ValueError(f'response_format must be {{"type": "json_schema", "json_schema": {{...}}}}, '
                      f'{{"type": "json_object"}}, {{"type": "text"}} or a pydantic model class; got {fmt!r}')
 

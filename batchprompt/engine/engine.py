@@ -121,9 +121,9 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids, problem = _prompt_ids(prompt, self.tokenizer)
         req = self._new_request(request_id, ids, params, priority)
-        problem = (self._validate(ids) or sampling_problem(params, self.model.args.vocab_size)
+        problem = (problem or self._validate(ids) or sampling_problem(params, self.model.args.vocab_size)
                    or self._prepare_structured(req))
         if problem:
             req.finish("error", problem)
@@ -375,7 +375,9 @@ class LLMEngine:
             if req.matcher is not None:
                 reason, error = advance_grammar(req, token, self.config.jump_forward, self.max_model_len,
                                                 self.tokenizer, self.eos_token_ids)
-            reason = reason or check_stop(req, self.eos_token_ids, self.max_model_len, self.tokenizer)
+            if reason != "error":  # a grammar's last piece may hold a stop string too (cut there, as vLLM)
+                stopped = check_stop(req, self.eos_token_ids, self.max_model_len, self.tokenizer)
+                reason = stopped if stopped == "stop" or reason is None else reason
             if reason:
                 self.scheduler.finish(req)  # first: it takes a request off the running list while it runs
                 req.finish(reason, error)
@@ -519,8 +521,8 @@ class LLMEngine:
 
     def generate(self, prompts: Iterable[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  progress: bool = False) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in input order."""
-        prompts = list(prompts)
+        """Run prompts to completion; outputs in input order. One string is one prompt (as in vLLM)."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
         results: dict[str, RequestOutput] = {}
@@ -537,3 +539,23 @@ class LLMEngine:
         if bar is not None:
             bar.close()
         return [results[i] for i in ids]
+
+
+def _prompt_ids(prompt, tokenizer) -> tuple[list[int], str | None]:
+    """A prompt's token ids, or an error for what is neither text nor token ids."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            return [], "this engine has no tokenizer: give the prompt as token ids"
+        return tokenizer.encode(prompt), None
+    if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
+        return [], f"a prompt is a string or a list of token ids, got {type(prompt).__name__}"
+    raw = list(prompt)
+    if all(type(t) is int for t in raw):
+        return raw, None
+    try:  # numpy and torch integers are ints by value: take them as such
+        ids = [int(t) for t in raw if not isinstance(t, (bool, str, float)) and int(t) == t]
+    except (TypeError, ValueError):
+        ids = []
+    if len(ids) != len(raw):
+        return [], "a prompt of token ids must hold integers only"
+    return ids, None

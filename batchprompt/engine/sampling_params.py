@@ -36,7 +36,7 @@ class SamplingParams:
     `min_p` times the most likely one's. Rows that use none of them pay nothing.
 
     `top_logprobs` (0..20) returns the k most likely tokens and their log-probs at each
-    position (it implies `logprobs`). `include_stop_str_in_output` keeps a matched stop string
+    position (it implies `logprobs`); `logprobs=k` (an int, as in vLLM) is `top_logprobs=k`. `include_stop_str_in_output` keeps a matched stop string
     in the text. `n` samples per prompt share one prefill (through the prefix cache); with
     `best_of`, that many are generated and the `n` with the highest cumulative log-prob are
     returned, as in vLLM.
@@ -66,6 +66,14 @@ class SamplingParams:
     best_of: int | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.logprobs, bool):  # vLLM's logprobs=N: the sampled token's and the top N
+            _check(_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+                   f"logprobs must be True, False or an integer from 0 to {MAX_TOP_LOGPROBS} (vLLM's top-N), "
+                   f"got {self.logprobs!r}")
+            _check(not self.top_logprobs or self.top_logprobs == self.logprobs,
+                   f"give logprobs={self.logprobs} (vLLM's top-N) or top_logprobs={self.top_logprobs}, not both")
+            object.__setattr__(self, "top_logprobs", int(self.logprobs))
+            object.__setattr__(self, "logprobs", True)
         if self.stop is None or isinstance(self.stop, str):  # None: OpenAI's null
             object.__setattr__(self, "stop", () if self.stop is None else (self.stop,))
         _check(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop),
@@ -85,7 +93,7 @@ class SamplingParams:
         _check(_is_finite(self.top_p) and 0 < self.top_p <= 1,
                f"top_p must be a number in (0, 1], got {self.top_p!r}")
         _check(_is_int(self.top_k) and self.top_k >= -1,
-               f"top_k must be an integer >= 0 (0 or -1 = off), got {self.top_k!r}")
+               f"top_k must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}")
         _check(self.seed is None or (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
                f"seed must be a 64-bit integer (from -2**63 to 2**63-1), got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):

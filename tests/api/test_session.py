@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -178,3 +179,49 @@ def test_a_system_prompt_that_is_not_text_is_refused_by_name(system):
         bp.LanguageModel.create(system=system)
     with pytest.raises(TypeError, match="system must be a string"):
         bp.batch_prompt(["hi"], system=system)
+
+
+def test_destroy_cancels_the_sessions_running_and_unstarted_batches(engine32, messages):
+    """As the Prompt API's destroy() aborts the session's prompts: they ran to the end before,
+    and a batch made before destroy() ran on the destroyed session when started."""
+    lm = bp.LanguageModel.create(system=SPAM_SYSTEM, model=engine32)
+    running = lm.create_batch(messages[:6], max_tokens=60, min_tokens=60).start()
+    unstarted = lm.create_batch(messages[:2], max_tokens=4)
+    one = {}
+    caller = threading.Thread(target=lambda: one.update(got=_raised(lm.prompt, messages[7], max_tokens=60,
+                                                                      min_tokens=60)), daemon=True)
+    caller.start()
+    deadline = time.monotonic() + 30
+    while len(lm._batches) < 3 or not engine32.scheduler.running:
+        assert time.monotonic() < deadline, "the work never started"
+        time.sleep(0.01)
+    lm.destroy()
+    results = running.wait(timeout=60)
+    assert {r.finish_reason for r in results} <= {"cancelled", "length"} and any(
+        r.finish_reason == "cancelled" and "session was destroyed" in r.error for r in results), results
+    assert {(r.finish_reason, r.error) for r in unstarted.start().wait(timeout=10)} == {
+        ("cancelled", "cancelled: the session was destroyed")}
+    caller.join(60)
+    assert isinstance(one.get("got"), bp.SessionDestroyedError), one
+
+
+def _raised(fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        return e
+    return None
+
+
+def test_priority_must_be_an_int(lm):
+    """It was taken, and every prompt then failed with int()'s error and a logged traceback."""
+    with pytest.raises(TypeError, match="priority must be an int"):
+        lm.create_batch(["a", "b"], priority="high")
+
+
+def test_what_is_not_a_list_of_prompts_is_named(lm):
+    """None was "'NoneType' object is not iterable"; a string's message named a prompt() that
+    the module does not have."""
+    for bad, named in ((None, "NoneType"), ("abc", "str 'abc'"), ({"role": "user", "content": "x"}, "dict")):
+        with pytest.raises(TypeError, match=f"takes a list of prompts, got {named}.*give \\[prompt\\]"):
+            lm.batch_prompt(bad)

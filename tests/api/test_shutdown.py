@@ -39,6 +39,14 @@ def test_device_dtype_and_engine_options_reach_the_engine_from_every_entry_point
     assert calls == [("smollm2-135m", given)] * 3
 
 
+def _raised(fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001
+        return e
+    return None
+
+
 def _hold_first_step_until_stopped(service):
     """The first step waits (at most 10 s) until the service is stopping, so that work is
     still in the engine when shutdown comes. Wraps the service, never the engine, which the
@@ -70,8 +78,17 @@ def test_shutdown_cancels_waiters_frees_the_engine_and_the_next_call_builds_a_fr
     stepped = _hold_first_step_until_stopped(service)
     pending = lm.create_batch(messages[:12]).start()
     assert stepped.wait(60)
+    one = {}  # a prompt() cut off by the shutdown raised ValueError, as if its input were bad
+    caller = threading.Thread(target=lambda: one.update(got=_raised(lm.prompt, messages[0])), daemon=True)
+    caller.start()
+    deadline = time.monotonic() + 30
+    while not any(b is not pending and b._started_at for b in list(lm._batches)):
+        assert time.monotonic() < deadline, "the prompt() never started"
+        time.sleep(0.01)
 
     assert bp.shutdown("smollm2-135m") >= 1
+    caller.join(60)
+    assert isinstance(one.get("got"), bp.EngineStoppedError), one
     results = pending.wait(timeout=60)  # answered at once, not left waiting
     cancelled = [r for r in results if not r.ok]
     assert cancelled and {(r.finish_reason, r.error) for r in cancelled} == {

@@ -44,6 +44,12 @@ def test_every_answer_is_one_of_the_choices(lm, messages, mode):
         assert all(r.choice_probs is None and r.finish_reason == "stop" for r in results)
 
 
+def test_min_tokens_beyond_the_longest_label_names_the_labels(lm):
+    """It said "min_tokens must be ... from 0 to max_tokens (1)" where the caller gave max_tokens=10."""
+    with pytest.raises(ValueError, match=r"min_tokens \(5\) is more than the longest label \(1 tokens\)"):
+        lm.batch_prompt(["x"], choices=["yes", "no"], min_tokens=5, max_tokens=10)
+
+
 def test_choices_set_on_the_session_and_overridden_per_call(engine32, messages):
     with bp.LanguageModel.create(system=SPAM_SYSTEM, model=engine32, choices=["spam", "ham"]) as lm:
         assert all(r.text in ("spam", "ham") for r in lm.batch_prompt(messages[:4]))

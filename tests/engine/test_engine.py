@@ -261,3 +261,20 @@ def test_an_output_cut_inside_a_character_leaves_the_character_out(engine32):
     out = {o.request_id: o for o in outs}[rid]
     assert out.output_token_ids == [first] and out.finish_reason == "length"
     assert out.text == ""
+
+
+def test_odd_prompts_fail_alone_and_one_string_is_one_prompt(embedded_engine, tiny_model):
+    """A string given to generate() ran as one prompt per character; None or a list of text
+    raised a bare TypeError out of generate() with the other prompts already queued."""
+    outs = embedded_engine.generate("Hello", SamplingParams(max_tokens=1, temperature=0))
+    assert len(outs) == 1 and outs[0].ok and outs[0].prompt_token_ids == embedded_engine.tokenizer.encode("Hello")
+    eng = engine(tiny_model)
+    good = prompts(1)[0]
+    outs = eng.generate([None, good, ["a", "b"], [1.5, 2], torch.tensor(good), "text"],
+                        SamplingParams(max_tokens=2, temperature=0))
+    assert [o.ok for o in outs] == [False, True, False, False, True, False]
+    assert "a string or a list of token ids, got NoneType" in outs[0].error
+    assert all("integers only" in o.error for o in outs[2:4])
+    assert outs[4].output_token_ids == outs[1].output_token_ids
+    assert "no tokenizer" in outs[5].error
+    assert eng.pool.num_used == 0 and not eng.has_unfinished()

@@ -19,7 +19,7 @@ from batchprompt.engine import SamplingParams
     ({"temperature": True}, r"temperature must be a finite number"),
     ({"top_p": float("nan")}, r"top_p must be a number in \(0, 1\]"),
     ({"top_p": float("inf")}, r"top_p must be a number"),
-    ({"top_k": -2}, r"top_k must be an integer >= 0"),
+    ({"top_k": -2}, r"top_k must be an integer >= -1"),
     ({"top_k": 2.5}, r"top_k must be an integer"),
     ({"max_tokens": True}, r"max_tokens must be an integer >= 1"),
     ({"max_tokens": math.inf}, r"max_tokens must be an integer"),
@@ -54,3 +54,17 @@ def test_the_batch_api_refuses_them_before_any_work():
         GenerationOptions().merged({"top_p": float("nan")})
     with pytest.raises(ValueError, match="seed must be a 64-bit integer"):
         GenerationOptions().merged({"seed": 2**64})
+
+
+def test_logprobs_as_an_int_is_vllms_top_n():
+    """logprobs=5 was taken as True: no top log-probs came back."""
+    p = SamplingParams(logprobs=5)
+    assert (p.logprobs, p.top_logprobs) == (True, 5)
+    assert (SamplingParams(logprobs=0).logprobs, SamplingParams(logprobs=0).top_logprobs) == (True, 0)
+    assert SamplingParams(logprobs=3, top_logprobs=3).top_logprobs == 3
+    for bad, match in ((2.5, "logprobs must be True, False or an integer"), (21, "from 0 to 20"),
+                       ("5", "logprobs must be")):
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(logprobs=bad)
+    with pytest.raises(ValueError, match="not both"):
+        SamplingParams(logprobs=2, top_logprobs=4)

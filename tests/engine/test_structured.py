@@ -183,3 +183,13 @@ def test_scoring_a_choice_longer_than_the_kv_budget_fails_alone(tiny_model):
     assert set(finished) == {bad, ok}
     assert "raise kv_cache_memory" in finished[bad].error and finished[ok].ok
     assert eng.pool.num_used == 0
+
+
+@pytest.mark.parametrize("pattern, stop, text", [("spam eggs", "eggs", "spam "), ("spam", "a", "sp")])
+def test_a_stop_string_in_the_piece_that_completes_the_grammar_cuts_the_text(engine32, pattern, stop, text):
+    """The grammar's completion ended the request before its stop strings were looked at."""
+    tok = engine32.tokenizer
+    p = tok.encode_prompt("Say spam.", SPAM_SYSTEM)
+    out = engine32.generate([p], SamplingParams(max_tokens=8, temperature=0, stop=[stop],
+                                                grammar=Grammar.regex(pattern)))[0]
+    assert (out.text, out.finish_reason) == (text, "stop"), out

@@ -96,3 +96,31 @@ def test_closing_keeps_data_combinations_and_free_dicts_as_written():
     assert closed["$defs"]["Item"]["additionalProperties"] is False
     assert close_objects({"type": "object", "properties": {}, "additionalProperties": True})["additionalProperties"]
     assert "additionalProperties" not in schema  # the caller's schema is not changed
+
+
+def test_defs_combined_through_a_ref_stay_open():
+    """allOf of two $refs was closed at each $def, so neither part could hold the other's required
+    property: refused as unsatisfiable. A $def used alone (or as an anyOf alternative) is closed."""
+    from batchprompt.structured.json_schema import close_objects
+
+    def obj(name):
+        return {"type": "object", "properties": {name: {"type": "integer"}}, "required": [name]}
+
+    schema = {"$defs": {"A": obj("x"), "B": obj("y"), "C": obj("z"), "D": obj("w"), "E": obj("v")},
+              "type": "object",
+              "properties": {"both": {"allOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}]},
+                             "extended": {"$ref": "#/$defs/C", "properties": {"more": {"type": "string"}}},
+                             "alone": {"$ref": "#/$defs/D"},
+                             "either": {"anyOf": [{"$ref": "#/$defs/E"}, {"type": "null"}]}},
+              "required": ["both"]}
+    defs = close_objects(schema)["$defs"]
+    assert [("additionalProperties" in defs[k]) for k in "ABCDE"] == [False, False, False, True, True]
+
+
+def test_an_all_of_refs_schema_compiles_and_answers(compiler):
+    from batchprompt.structured.compiler import GrammarError  # noqa: F401  (a refusal fails the test)
+
+    schema = {"$defs": {"A": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+                        "B": {"type": "object", "properties": {"y": {"type": "integer"}}, "required": ["y"]}},
+              "allOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}]}
+    assert compiler.matcher(Grammar.json_schema(schema)) is not None
