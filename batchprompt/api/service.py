@@ -17,12 +17,14 @@ the reason, the service leaves the registry, and the next caller gets a fresh en
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import gc
 import itertools
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable
@@ -68,6 +70,7 @@ class EngineService:
         self._built: Future = Future()
         self._thread = threading.Thread(target=self._loop, args=(build,), name=f"batchprompt-engine-{name}",
                                         daemon=True)
+        _alive.add(self)
         self._thread.start()
         if build is not None:
             self._wait_built()
@@ -429,6 +432,25 @@ def _free_memory() -> None:
 # ---- one service per model in a process ---------------------------------------------------------
 _services: dict[tuple, EngineService] = {}
 _services_lock = threading.Lock()
+# Every service made in this process, for `_stop_at_exit`.
+_alive: weakref.WeakSet[EngineService] = weakref.WeakSet()
+EXIT_WAIT_S = 10.0  # at exit, how long in all to wait for engine threads to leave their step
+
+
+def _stop_at_exit() -> None:
+    """At interpreter exit, stop every engine thread first. One left inside a model step (a
+    script that ends without waiting for its batch, or whose engine's build just failed) runs
+    PyTorch's C++ while the exit destroys its globals, and the process aborted ("terminate
+    called without an active exception", exit status 134). Unfinished work is cancelled."""
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for service in list(_alive):
+        try:
+            service.shutdown(max(deadline - time.monotonic(), 0))
+        except Exception:  # noqa: BLE001 - exiting: the others must still be stopped
+            log.exception("stopping an engine at exit failed")
+
+
+atexit.register(_stop_at_exit)
 _service_ids = itertools.count()  # never reused: request ids stay unique within a shared engine
 
 

@@ -140,3 +140,27 @@ def test_shutdown_with_a_timeout_returns_while_the_engine_is_stuck_in_a_step(eng
     assert stuck.result(30) is True
     assert service.shutdown(timeout=30) is True
     assert not service._thread.is_alive() and not service._dispatcher.is_alive()
+
+
+def test_a_script_that_ends_while_its_batch_runs_exits_cleanly(tmp_path):
+    """The engine thread was left inside a step while the interpreter exited: PyTorch's C++
+    aborted the process ("terminate called without an active exception", exit status 134)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "ends_early.py"
+    script.write_text(
+        "import time\n"
+        "import batchprompt as bp\n"
+        "lm = bp.LanguageModel.create(max_tokens=200, engine_options={'kv_cache_memory': 64 << 20, "
+        "'max_model_len': 1024})\n"
+        "seen = []\n"
+        "batch = lm.create_batch(['Write a long story about a cat'] * 8, min_tokens=200)\n"
+        "batch.on_tokens(lambda index, ids: seen.append(len(ids))).start()\n"
+        "deadline = time.monotonic() + 60\n"
+        "while not seen and time.monotonic() < deadline:\n"  # the engine is inside its steps now
+        "    time.sleep(0.05)\n"
+        "print('leaving', bool(seen), flush=True)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0 and "leaving True" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
+    assert "terminate called" not in proc.stderr
