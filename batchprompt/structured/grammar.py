@@ -100,13 +100,12 @@ def check_choices(labels: Sequence[str]) -> list[str]:
     if isinstance(labels, str) or not isinstance(labels, Sequence):
         raise ValueError(f"choices must be a list of strings, got {labels!r}")
     labels = list(labels)
-    if len(labels) < 2:
-        raise ValueError(f"choices needs at least two labels, got {labels!r}")
+    if not labels:
+        raise ValueError("choices needs at least one label, got []")
     if not all(isinstance(c, str) and c for c in labels):
-        raise ValueError(f"choices must be non-empty strings, got {labels!r}")
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"choices has duplicates: {labels!r}")
-    return labels
+        raise ValueError(f"choices must be non-empty strings, got {labels!r:.200}")
+    # As vLLM's guided_choice: one label is allowed (the answer is that label), a repeated one counts once.
+    return list(dict.fromkeys(labels))
 
 
 def _with_options(schema: dict[str, Any], options: dict[str, Any] | None) -> dict[str, Any]:

@@ -197,5 +197,13 @@ def test_bad_structured_options_are_clear_errors(lm, messages):
         lm.batch_prompt(messages[:1], choices=["a", "b"], choice_mode="vote")
     with pytest.raises(ValueError, match="response_format"):
         lm.batch_prompt(messages[:1], response_format={"type": "xml"})
-    with pytest.raises(ValueError, match="at least two"):
-        lm.batch_prompt(messages[:1], choices=["only"])
+    with pytest.raises(ValueError, match="at least one label"):
+        lm.batch_prompt(messages[:1], choices=[])
+
+
+def test_one_label_and_repeated_labels_are_taken_as_vllm_takes_them(lm, messages):
+    """They were refused ("at least two labels", "duplicates"), where vLLM's guided_choice answers."""
+    assert lm.batch_prompt(messages[:1], choices=["only"])[0].text == "only"
+    assert lm.batch_prompt(messages[:1], choices=["spam", "ham", "spam"])[0].text in ("spam", "ham")
+    r = lm.batch_prompt(messages[:1], choices=["spam", "ham", "spam"], choice_mode="score")[0]
+    assert set(r.choice_probs) == {"spam", "ham"}
