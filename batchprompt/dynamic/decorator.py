@@ -126,7 +126,11 @@ class DynamicFunction:
         try:
             bound = store.get(key)
             if bound is None:
-                bound = DynamicFunction(self._fn.__get__(instance, owner), self._options)
+                # In the instance's own __dict__ a cycle (instance -> batcher -> instance) that the
+                # collector frees; in the weak map the batcher must not hold its key alive.
+                fn = self._fn.__get__(instance, owner) if store is not getattr(self, "_bound_to", None) \
+                    else _weakly_bound(self._fn, instance)
+                bound = DynamicFunction(fn, self._options)
                 store[key] = bound
         except TypeError:  # not weakly referenceable: __slots__ without __dict__ or __weakref__
             raise TypeError(f"{type(instance).__name__}.{self._fn.__name__}: a batched method keeps one batcher "
@@ -142,6 +146,19 @@ class DynamicFunction:
             raise TypeError(f"cannot pickle the batched function {name}: only one defined at a module's top "
                             f"level is pickled (by name)")
         return _lookup, (module, name)
+
+
+def _weakly_bound(fn: Callable, instance: Any) -> Callable:
+    """`fn` bound to `instance` without keeping it alive."""
+    ref = weakref.ref(instance)
+
+    def bound(*args, **kwargs):
+        obj = ref()
+        if obj is None:
+            raise ReferenceError(f"{fn.__qualname__}: its instance is gone")
+        return fn(obj, *args, **kwargs)
+
+    return functools.update_wrapper(bound, fn)
 
 
 def _lookup(module: str, qualname: str) -> Any:

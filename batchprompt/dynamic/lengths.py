@@ -23,7 +23,7 @@ def bucket_function(buckets: Sequence[float] | str | None) -> Callable[[float], 
             raise ValueError(f"buckets={buckets!r}: give 'auto' or a list of increasing lengths, e.g. [32, 64, 128]")
         return _auto_bucket
     bounds = list(buckets)
-    positive = all(not isinstance(b, bool) and isinstance(b, numbers.Real) and b > 0 for b in bounds)
+    positive = all(not isinstance(b, bool) and isinstance(b, numbers.Real) and 0 < b < math.inf for b in bounds)
     if not bounds or not positive or bounds != sorted(set(bounds)):
         raise ValueError(f"buckets={buckets!r}: give 'auto' or a list of increasing positive lengths, "
                          f"e.g. [32, 64, 128]")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
 from typing import Any
 
 from .lengths import bucket_function
@@ -85,4 +86,4 @@ def call_timeout(timeout: Any) -> float | None:
         return None
     if not _is_number(timeout) or math.isnan(timeout) or timeout < 0:
         raise ValueError(f"timeout must be a number of seconds >= 0, or None for no limit; got {timeout!r}")
-    return None if math.isinf(timeout) else float(timeout)
+    return None if timeout > threading.TIMEOUT_MAX else float(timeout)  # beyond what a lock takes: no limit

@@ -84,19 +84,29 @@ class Waiter:
 
 def resolve(groups: list) -> None:
     """On the callers' event loop: the groups' results are in; step every waiting task."""
+    waiters = []
     for group in groups:
         group.resolved = True
-        waiters, group.waiters = group.waiters, []
-        for w in waiters:
-            if w.is_cancelled:  # already woken by cancel()
-                continue
-            try:
-                if w.context is not None:
-                    w.context.run(w.callback, w)
-                else:
-                    w.callback(w)
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except BaseException as e:  # noqa: BLE001 - one caller's failure must not strand the others
-                group.loop.call_exception_handler({"message": "batching: waking a caller failed",
-                                                   "exception": e})
+        waiters += group.waiters
+        group.waiters = []
+    _wake(waiters)
+
+
+def _wake(waiters: list[Waiter]) -> None:
+    for i, w in enumerate(waiters):
+        if w.is_cancelled:  # already woken by cancel()
+            continue
+        try:
+            if w.context is not None:
+                w.context.run(w.callback, w)
+            else:
+                w.callback(w)
+        except (KeyboardInterrupt, SystemExit):
+            # A task let the function's KeyboardInterrupt out, and asyncio stops its loop with it:
+            # the other callers are woken on the loop's next turn (asyncio.run's clean-up), or
+            # they would wait for ever, and cannot even be cancelled.
+            if i + 1 < len(waiters):
+                w.group.loop.call_soon(_wake, waiters[i + 1:])
+            raise
+        except BaseException as e:  # noqa: BLE001 - one caller's failure must not strand the others
+            w.group.loop.call_exception_handler({"message": "batching: waking a caller failed", "exception": e})

@@ -74,6 +74,7 @@ class LLMEngine:
         self.eos_token_ids = tokenizer.eos_token_ids if tokenizer else frozenset(args.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._rejected: list[Request] = []
+        self._held: list[RequestOutput] = []  # others' outputs that a generate() call stepped past
         self._ids = itertools.count()
         self._stats = EngineStats()
         self._samples = SampleGroups()  # requests with n / best_of > 1
@@ -215,7 +216,7 @@ class LLMEngine:
         self.kv.unpin(name)
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests) or bool(self._held)
 
     def output_ids(self, request_id: str) -> list[int] | None:
         """The tokens a running request has made so far (a copy), for streaming them as they
@@ -239,7 +240,11 @@ class LLMEngine:
         pause to run it (the step pauses once before its first layer for it): alone, so as fast as on an idle engine, while the batch's steps stay
         full."""
         self._inside_s = 0.0
-        return self._samples.collect(self._step(pause), self._requests, self._drop_sample)
+        done = self._samples.collect(self._step(pause), self._requests, self._drop_sample)
+        if self._held:
+            held, self._held = self._held, []
+            return held + done
+        return done
 
     def step_inside(self) -> list[RequestOutput] | None:
         """Called from a step's `pause`: run one step of the requests that outrank every request
@@ -521,17 +526,35 @@ class LLMEngine:
 
     def generate(self, prompts: Iterable[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  progress: bool = False) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in input order. One string is one prompt (as in vLLM)."""
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        """Run prompts to completion; outputs in input order. One string, or one list of token
+        ids, is one prompt (as in vLLM). `params`: one for all, or one per prompt. Requests added
+        with add_request() run along; their outputs come from the next step()."""
+        if isinstance(prompts, (bytes, bytearray)):
+            raise TypeError("generate() takes text as str (decode the bytes) or token ids as a list of ints")
+        one = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and bool(prompts)
+                                           and all(type(t) is int for t in prompts))
+        prompts = [prompts] if one else list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            plist = [params] * len(prompts)
+        elif isinstance(params, (list, tuple)):
+            plist = list(params)
+            if len(plist) != len(prompts):
+                raise ValueError(f"give one SamplingParams for all prompts or one per prompt: got {len(plist)} "
+                                 f"for {len(prompts)} prompts")
+        else:
+            raise TypeError(f"params must be a SamplingParams or a list of them, got {type(params).__name__}")
+        bad = next((p for p in plist if p is not None and not isinstance(p, SamplingParams)), None)
+        if bad is not None:
+            raise TypeError(f"params must be a SamplingParams or a list of them, got a {type(bad).__name__} in it")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        mine = set(ids)
         results: dict[str, RequestOutput] = {}
         bar = None
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=len(ids), unit="prompt", dynamic_ncols=True)
         while len(results) < len(ids):
-            finished = self.step()
+            finished = [o for o in self.step() if o.request_id in mine or self._held.append(o)]
             for o in finished:
                 results[o.request_id] = o
             if bar is not None and finished:

@@ -14,7 +14,7 @@ import torch
 
 import batchprompt as bp
 
-from .helpers import LIMIT_S, Recorder
+from .helpers import LIMIT_S, Recorder, outcome
 
 
 @bp.dynamically(batch_size=4, timeout_ms=1)
@@ -213,3 +213,55 @@ def test_a_cancelled_amany_takes_its_queued_items_off_the_queue():
 
     assert asyncio.run(main()) == (0, 50)
     assert rec.batches == [[0], [5]] and f.stats.withdrawn == 4
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit])
+def test_a_stop_that_leaves_the_loop_still_wakes_the_other_callers_of_the_batch(stop):
+    """The first task let the function's KeyboardInterrupt out of the loop; the other callers of
+    the batch were never woken, and asyncio.run hung for ever cancelling them."""
+    def fn(items):
+        if "stop" in items:
+            raise stop()
+        return list(items)
+
+    f = bp.dynamically(batch_size=4, timeout_ms=20)(fn)
+
+    async def main():
+        await asyncio.gather(f.acall("stop"), f.acall("other"), return_exceptions=True)
+
+    got = outcome(lambda: asyncio.run(main()), limit=LIMIT_S)
+    assert isinstance(got, stop), got
+
+
+def test_a_timeout_beyond_what_a_lock_takes_is_no_limit():
+    """1e10 s passed the check, was queued, then raised OverflowError from the lock."""
+    f = bp.dynamically(batch_size=4, timeout_ms=1)(Recorder())
+    assert f(3, timeout=1e10) == 30 and f.many([1], timeout=1e12) == [10]
+
+
+def test_a_slotted_instance_is_freed_with_its_batcher():
+    import gc
+    import time
+    import weakref
+
+    class Slotted:
+        __slots__ = ("__weakref__",)
+
+        @bp.dynamically(batch_size=4, timeout_ms=1)
+        def run(self, items):
+            return list(items)
+
+    obj = Slotted()
+    assert obj.run(1) == 1
+    ref = weakref.ref(obj)
+    del obj
+    deadline = time.monotonic() + LIMIT_S
+    while ref() is not None:  # the worker idles out after a few seconds and drops its last reference
+        assert time.monotonic() < deadline, "the instance is kept alive by its batcher"
+        gc.collect()
+        time.sleep(0.1)
+
+
+def test_an_infinite_bucket_boundary_is_refused():
+    with pytest.raises(ValueError, match="buckets"):
+        bp.dynamically(length=len, buckets=[32, float("inf")])

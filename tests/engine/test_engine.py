@@ -270,6 +270,10 @@ def test_odd_prompts_fail_alone_and_one_string_is_one_prompt(embedded_engine, ti
     assert len(outs) == 1 and outs[0].ok and outs[0].prompt_token_ids == embedded_engine.tokenizer.encode("Hello")
     eng = engine(tiny_model)
     good = prompts(1)[0]
+    flat = eng.generate(good, SamplingParams(max_tokens=2, temperature=0))  # a list of ints is one prompt
+    assert len(flat) == 1 and flat[0].ok and flat[0].prompt_token_ids == good
+    with pytest.raises(TypeError, match="decode the bytes"):
+        eng.generate(b"Hello")
     outs = eng.generate([None, good, ["a", "b"], [1.5, 2], torch.tensor(good), "text"],
                         SamplingParams(max_tokens=2, temperature=0))
     assert [o.ok for o in outs] == [False, True, False, False, True, False]
@@ -278,3 +282,22 @@ def test_odd_prompts_fail_alone_and_one_string_is_one_prompt(embedded_engine, ti
     assert outs[4].output_token_ids == outs[1].output_token_ids
     assert "no tokenizer" in outs[5].error
     assert eng.pool.num_used == 0 and not eng.has_unfinished()
+
+
+def test_generate_collects_its_own_requests_only(tiny_model):
+    """A request added before generate() and finishing first made generate() stop short and
+    raise KeyError, losing both outputs; a params list of the wrong length queued the prompts
+    it could pair and raised, leaving them running."""
+    eng = engine(tiny_model)
+    sp = SamplingParams(max_tokens=2, temperature=0)
+    with pytest.raises(ValueError, match="one per prompt: got 2 for 3 prompts"):
+        eng.generate(prompts(3), [sp, sp])
+    with pytest.raises(TypeError, match="SamplingParams"):
+        eng.generate(prompts(2), {"max_tokens": 2})
+    assert not eng.has_unfinished()
+    other = eng.add_request(prompts(1)[0], SamplingParams(max_tokens=1, temperature=0))
+    outs = eng.generate(prompts(2), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert [len(o.output_token_ids) for o in outs] == [6, 6]
+    assert eng.has_unfinished()  # the other request's output waits for the next step()
+    assert [o.request_id for o in eng.step()] == [other]
+    assert not eng.has_unfinished() and eng.pool.num_used == 0
