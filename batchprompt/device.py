@@ -12,13 +12,19 @@ import torch
 from .openmp_spin import WAIT_POLICY_VARIABLES
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
-           "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
+           "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+           "half": torch.float16, "float": torch.float32}  # vLLM's names too
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"unknown device {device!r}; use 'auto', 'cpu', 'cuda' or 'cuda:N'") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {str(device)!r} is not supported; use 'auto', 'cpu', 'cuda' or 'cuda:N'")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r} asked for, but no CUDA GPU is visible; use device='cpu'")
     return dev
@@ -38,6 +44,16 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of: auto, {', '.join(sorted(_DTYPES))}")
     return _DTYPES[dtype]
+
+
+def check_dtype(dtype: str | torch.dtype) -> None:
+    """A dtype the engine can compute in, before any weights are read."""
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype {dtype} is not a floating-point type; use one of: auto, "
+                             f"{', '.join(sorted(_DTYPES))}")
+    elif dtype != "auto" and dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of: auto, {', '.join(sorted(_DTYPES))}")
 
 
 def available_memory(device: torch.device) -> int:

@@ -64,8 +64,21 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_starved_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1 (or None: the model's own context), got {self.max_model_len}")
+        for name in ("enable_prefix_caching", "jump_forward", "priority_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("kv_memory_fraction", "watermark") + (("priority_slowdown",) if self.priority_slowdown is not None
+                                                          else ()):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number, got {value!r}")
         if not 0 < self.kv_memory_fraction <= 0.95:
             raise ValueError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
+        if not 0 <= self.watermark < 0.5:
+            raise ValueError(f"watermark must be in [0, 0.5) (the share of KV blocks kept free at admission), "
+                             f"got {self.watermark}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be a positive number of bytes")
         if self.priority_slowdown is not None and not self.priority_slowdown > 1:

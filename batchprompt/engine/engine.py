@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import torch
 
-from ..device import resolve_device, resolve_dtype
+from ..device import check_dtype, resolve_device, resolve_dtype
 from ..models import Tokenizer, build_model, load_hf_weights, resolve_model
 from ..models.llama import LlamaModel
 from ..steps import ModelRunnerOutput, SchedulerOutput
@@ -92,6 +92,7 @@ class LLMEngine:
         """Load `model` (see `resolve_model`) and build an engine; `config` goes to EngineConfig."""
         cfg = EngineConfig.from_options(config)
         dev = resolve_device(device)
+        check_dtype(dtype)  # before the weights are read
         source = resolve_model(model)
         args, weights = load_hf_weights(source)
         net = build_model(args, weights, resolve_dtype(dtype, dev), dev)

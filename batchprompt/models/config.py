@@ -57,7 +57,22 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArgs":
+        if not isinstance(cfg, dict):
+            raise ValueError(f"config.json must hold a JSON object, got {type(cfg).__name__}")
         arch = cfg.get("model_type", "llama")
+        if arch not in SUPPORTED_ARCHITECTURES:  # first: another family lacks the keys read below
+            raise ValueError(f"model architecture {arch!r} is not supported; supported: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in cfg]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}")
+        # What the model would compute otherwise: refused, never computed without (wrong answers).
+        if cfg.get("mlp_bias"):
+            raise ValueError("mlp_bias=true is not supported (the MLP has no bias here)")
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {act!r} is not supported; the MLP computes silu")
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())

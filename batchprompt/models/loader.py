@@ -74,7 +74,20 @@ def _download(repo_id: str) -> Path:
 
 
 def load_hf_weights(source: ModelSource) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
-    """ModelArgs and the Hugging Face-named state dict of a source, weights dense."""
+    """ModelArgs and the Hugging Face-named state dict of a source, weights dense. A file that
+    cannot be read as a model (truncated, not a GGUF file, a config of another family) is a
+    ModelNotFoundError naming it."""
+    try:
+        return _load_hf_weights(source)
+    except (ModelNotFoundError, MemoryError):
+        raise
+    except Exception as e:  # noqa: BLE001 - gguf, safetensors, json and numpy each raise their own
+        what = "GGUF file" if source.kind == "gguf" else "Hugging Face model directory"
+        raise ModelNotFoundError(f"{source.path} cannot be loaded as a {what}: {type(e).__name__}: {e}. Is it "
+                                 f"complete (not truncated), and a Llama-family model?") from e
+
+
+def _load_hf_weights(source: ModelSource) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     if source.kind == "gguf":
         args, state, _ = read_gguf(source.path)
         return args, state

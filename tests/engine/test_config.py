@@ -14,7 +14,14 @@ from batchprompt.engine import EngineConfig
     ({"max_num_seqs": "8"}, TypeError, "max_num_seqs must be a whole number, got '8'"),
     ({"max_num_seqs": 0}, ValueError, "max_num_seqs must be >= 1, got 0"),
     ({"max_num_batched_tokens": -1}, ValueError, "max_num_batched_tokens must be >= 1, got -1"),
-], ids=["unknown", "text bytes", "fraction as bytes", "text count", "zero", "negative"])
+    ({"max_model_len": 0}, ValueError, "max_model_len must be >= 1"),
+    ({"max_model_len": -5}, ValueError, "max_model_len must be >= 1"),
+    ({"watermark": 5.0}, ValueError, "watermark must be in [0, 0.5)"),
+    ({"watermark": -1.0}, ValueError, "watermark must be in [0, 0.5)"),
+    ({"kv_memory_fraction": "0.3"}, TypeError, "kv_memory_fraction must be a number, got '0.3'"),
+    ({"enable_prefix_caching": "no"}, TypeError, "enable_prefix_caching must be True or False, got 'no'"),
+], ids=["unknown", "text bytes", "fraction as bytes", "text count", "zero", "negative", "zero context",
+        "negative context", "watermark above", "watermark below", "text fraction", "text switch"])
 def test_bad_engine_options_name_the_option_and_value(options, error, words):
     """They were Python's own errors ("'<=' not supported between 'str' and 'int'", "unexpected
     keyword argument"), a fraction taken as bytes, and a message naming two options for one."""

@@ -33,3 +33,52 @@ def test_directory_without_weights_is_a_clear_error(tmp_path):
                                           '"num_hidden_layers": 1, "num_attention_heads": 2}')
     with pytest.raises(ModelNotFoundError, match="no \\*.safetensors"):
         load_hf_weights(src)
+
+
+@pytest.mark.parametrize("config, words", [
+    ({"model_type": "gpt2", "n_head": 2}, "architecture 'gpt2' is not supported"),
+    ({}, "config.json lacks vocab_size, hidden_size"),
+    ({"vocab_size": 10, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+      "mlp_bias": True}, "mlp_bias=true is not supported"),
+    ({"vocab_size": 10, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+      "hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+])
+def test_a_config_this_engine_would_compute_wrongly_or_cannot_read_is_refused(tmp_path, config, words):
+    """mlp_bias and gelu were dropped silently (other answers than transformers'); a GPT-2 or an
+    empty config was a KeyError."""
+    import json
+
+    from batchprompt.models import load_hf_weights
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelNotFoundError, match=words) as e:
+        load_hf_weights(resolve_model(tmp_path))
+    assert str(tmp_path) in str(e.value)
+
+
+def test_a_truncated_or_foreign_gguf_file_is_named(tmp_path):
+    """They were numpy's "When changing to a larger dtype ..." and a bare "GGUF magic invalid"."""
+    from batchprompt.models import load_hf_weights
+
+    cut = tmp_path / "cut.gguf"
+    with open(resolve_model(None).path, "rb") as f:
+        cut.write_bytes(f.read(1 << 20))
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a model" * 100)
+    for path in (cut, junk):
+        with pytest.raises(ModelNotFoundError, match="cannot be loaded as a GGUF file.*truncated") as e:
+            load_hf_weights(resolve_model(path))
+        assert str(path) in str(e.value)
+
+
+def test_a_bad_dtype_or_device_is_refused_before_any_weights_are_read(monkeypatch):
+    import torch
+
+    from batchprompt import LLMEngine
+    from batchprompt.engine import engine
+
+    monkeypatch.setattr(engine, "load_hf_weights", lambda source: pytest.fail("the weights were read"))
+    for kwargs, words in ((dict(dtype="float64"), "unknown dtype 'float64'"), (dict(dtype=torch.int8), "floating"),
+                          (dict(device="gpu"), "unknown device 'gpu'"), (dict(device="meta"), "not supported")):
+        with pytest.raises(ValueError, match=words):
+            LLMEngine.from_pretrained(**kwargs)
