@@ -68,8 +68,9 @@ def _download(repo_id: str) -> Path:
             repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"]))
     except Exception as e:  # offline, unknown repo, gated repo: one message for all
         raise ModelNotFoundError(
-            f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
-            f"Offline? Pass a local path instead: a .gguf file or a directory with config.json "
+            f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}); no local "
+            f"path {repo_id!r} exists either. Offline? Pass a local path instead: a .gguf file or a directory "
+            f"with config.json "
             f"and *.safetensors, or 'smollm2-135m' for the embedded model") from e
 
 

@@ -100,11 +100,24 @@ class RayCluster:
         if isinstance(model, LLMEngine) or hasattr(model, "as_backend"):
             raise TypeError("a RayCluster runs a model by name or path (each replica loads its own copy); "
                             f"got {type(model).__name__}")
+        from ..device import check_dtype
+        from ..engine import EngineConfig
+
+        EngineConfig.from_options(engine_options or {})  # here, at once: not after replicas started
+        check_dtype(dtype)
         model = None if model is None else str(model)
         key = (model, device, str(dtype), repr(sorted((engine_options or {}).items())))
         with self._start_lock:
             with self._lock:
                 backend = self._backends.get(key)
+                other = next((k for k, b in self._backends.items() if k[:3] == key[:3] and k != key and not b.stopped),
+                             None)
+            if other is not None and (backend is None or backend.stopped):
+                # As a local engine refuses them: these replicas would wait for the CPUs that the
+                # running ones hold, up to start_timeout_s.
+                raise ValueError(f"this cluster already runs {model or 'the embedded model'} with other "
+                                 f"engine_options ({other[3]}); give the same ones, or call cluster.shutdown() "
+                                 f"first")
             if backend is None or backend.stopped:
                 backend = self._start(model, device, dtype, engine_options or {}, key)
                 with self._lock:

@@ -140,6 +140,14 @@ def test_clone_and_a_second_session_share_the_replicas(lm, cluster, messages, lo
     second = bp.LanguageModel.create(system=SPAM_SYSTEM, cluster=cluster, dtype="float32", max_tokens=6)
     assert second.backend is lm.backend
     second.destroy()
+    # Other engine_options for the same model started a second set of replicas, which waited for
+    # the CPUs the first set holds (10 minutes by default); bad ones waited too.
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="already runs .* with other engine_options"):
+        bp.LanguageModel.create(cluster=cluster, dtype="float32", engine_options={"max_num_seqs": 8})
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        bp.LanguageModel.create(cluster=cluster, dtype="float32", engine_options={"block_size": 0})
+    assert time.monotonic() - t0 < 30
 
 
 def test_replicas_no_node_can_hold_are_an_error_at_once(local_ray):
