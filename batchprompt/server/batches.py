@@ -6,6 +6,7 @@ goes first, and a new batch is refused (429) only if all of them are still runni
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
 import uuid
@@ -98,11 +99,25 @@ class BatchStore:
 
 
 def check_callback_url(url: Any) -> str:
-    parts = urlsplit(url) if isinstance(url, str) else None
-    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+    try:  # urlsplit refuses "http://[::1", its port "http://h:99999"; httpx a NUL or a bad IP address
+        parts = urlsplit(url) if isinstance(url, str) else None
+        ok = parts is not None and parts.scheme in ("http", "https") and bool(parts.hostname)
+        if ok:
+            parts.port  # noqa: B018 - raises ValueError when out of range
+            httpx.URL(url)
+            _check_ip(parts.hostname)
+    except (ValueError, httpx.InvalidURL):
+        ok = False
+    if not ok:
         raise ApiError(400, f"callback_url must be an http:// or https:// URL with a host, got {url!r}",
                        "invalid_callback_url", "callback_url")
     return url
+
+
+def _check_ip(host: str) -> None:
+    """A host written as digits and dots is an IPv4 address, and must be a valid one (999.1.1.1 is not)."""
+    if host.replace(".", "").isdigit():
+        ipaddress.IPv4Address(host)
 
 
 class Webhooks:
@@ -134,6 +149,9 @@ class Webhooks:
             except httpx.HTTPError as e:
                 # A timeout's message is empty: its type alone says what happened.
                 record["last_error"] = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            except Exception as e:  # noqa: BLE001 - a URL nothing can be sent to: final, never pending for ever
+                record["last_error"] = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                break
             if self.stopping:
                 break
             if attempt < self.attempts:

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 from ..api.session import LanguageModel
 from ..backends import BULK, INTERACTIVE
 from ..jobs import refusals
+from ..jobs.rows import MAX_N
 from . import waiting
 from .batches import AsyncBatch, check_callback_url
 from .errors import ApiError
@@ -44,6 +45,11 @@ async def _prepare(request: Request, state: ServerState, body: dict, priority: i
     state.check_model(body.get("model"))
     state.service()  # 503 while loading or shutting down
     options = {k: v for k, v in body.items() if k not in _NOT_OPTIONS}
+    best_of = options.get("best_of")
+    if best_of is not None and not (isinstance(best_of, int) and not isinstance(best_of, bool)
+                                    and 1 <= best_of <= MAX_N):  # as /v1/completions: a million would hold the engine
+        raise ApiError(400, f"best_of must be an integer from 1 to {MAX_N}, got {best_of!r}", "invalid_parameter",
+                       "best_of")
 
     def build():
         # The same device and dtype as load(): the service it finds is the server's, not a second engine.
@@ -66,6 +72,9 @@ async def _prepare(request: Request, state: ServerState, body: dict, priority: i
 async def batch_sync(request: Request) -> dict:
     state = server_state(request)
     body = await read_json(request, BatchRequest)
+    if body.get("callback_url") is not None:  # it was ignored: no webhook ever came
+        raise ApiError(400, "callback_url applies to /v1/batch/async; /v1/batch/sync answers with the results",
+                       "invalid_parameter", "callback_url")
     session, batch = await _prepare(request, state, body)
     try:
         results = await waiting.results(request, state, batch)

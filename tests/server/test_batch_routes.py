@@ -112,10 +112,20 @@ def test_sync_takes_the_batch_apis_structured_options(server):
     ({"prompts": ["x"], "model": "other"}, 404, None),
     ({"prompts": ["x"], "callback_url": "ftp://example.com/x"}, 400, None),
     ({"prompts": ["x"], "callback_url": "not a url"}, 400, None),
+    # A 500 with a traceback (urlsplit's ValueError), or accepted and then pending for ever:
+    ({"prompts": ["x"], "callback_url": "http://[::1"}, 400, "callback_url"),
+    ({"prompts": ["x"], "callback_url": "http://127.0.0.1:99999/"}, 400, "callback_url"),
+    ({"prompts": ["x"], "callback_url": "http://999.1.1.1/"}, 400, "callback_url"),
+    ({"prompts": ["x"], "callback_url": "http://127.0.0.1:9/\u0000x"}, 400, "callback_url"),
+    # As /v1/completions: it took 1,000 samples (29 s of engine for one 2-token prompt).
+    ({"prompts": ["x"], "best_of": 1000}, 400, "best_of"),
+    ({"prompts": ["x"], "callback_url": "http://127.0.0.1:9/hook", "sync": True}, 400, "callback_url"),
 ])
 def test_batch_request_errors(server, body, status, param):
+    body = dict(body)
+    sync = body.pop("sync", False) or "callback_url" not in body  # a webhook is for /async: ignored on /sync
     with server.client() as c:
-        r = c.post("/v1/batch/async" if "callback_url" in body else "/v1/batch/sync", json=body)
+        r = c.post("/v1/batch/sync" if sync else "/v1/batch/async", json=body)
     assert r.status_code == status, r.text
     error = error_of(r)
     if param is not None:
