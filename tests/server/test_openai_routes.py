@@ -304,7 +304,10 @@ def test_health_ready_and_metrics(server):
         assert c.get("/health").json() == {"status": "ok"}
         assert c.get("/ready").status_code == 200
         c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
-        text = c.get("/metrics").text
+        metrics = c.get("/metrics")
+        text = metrics.text
+    # The text is prometheus_client's 0.0.4 format, which its header said was 1.0.0.
+    assert metrics.headers["content-type"].startswith("text/plain; version=0.0.4"), metrics.headers
     for name in ("batchprompt_requests_running", "batchprompt_requests_waiting", "batchprompt_prefix_cache_hit_rate",
                  "batchprompt_kv_cache_usage", "batchprompt_generation_tokens_per_second",
                  "batchprompt_http_request_duration_seconds_bucket", "batchprompt_model_loaded 1.0"):
