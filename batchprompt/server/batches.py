@@ -13,7 +13,7 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import httpx
 
@@ -114,6 +114,23 @@ def check_callback_url(url: Any) -> str:
     return url
 
 
+def redacted(url: str) -> str:
+    """`url` with the password of its user part hidden, for status bodies and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    return parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)).geturl()
+
+
+def _without_credentials(url: str) -> tuple[str, tuple[str, str] | None]:
+    """(`url` without its user part, that user part as basic auth or None)."""
+    parts = urlsplit(url)
+    if parts.username is None:
+        return url, None
+    host = parts.netloc.rsplit("@", 1)[1]
+    return parts._replace(netloc=host).geturl(), (unquote(parts.username), unquote(parts.password or ""))
+
+
 def _check_ip(host: str) -> None:
     """A host written as digits and dots is an IPv4 address, and must be a valid one (999.1.1.1 is not)."""
     if host.replace(".", "").isdigit():
@@ -135,10 +152,12 @@ class Webhooks:
             self._client = httpx.AsyncClient(follow_redirects=False, headers={"User-Agent": "batchprompt"})
         record = job.webhook
         payload = job.to_json()
+        payload.pop("webhook", None)  # its own delivery, "pending" while it is being made: not the receiver's
         for attempt in range(1, self.attempts + 1):
             record["attempts"] = attempt
             try:
-                resp = await self._client.post(job.callback_url, json=payload, timeout=self.timeout_s,
+                url, auth = _without_credentials(job.callback_url)  # as basic auth: httpx logs the URL
+                resp = await self._client.post(url, json=payload, timeout=self.timeout_s, auth=auth,
                                                headers={"X-Batchprompt-Batch-Id": job.id})
                 if 200 <= resp.status_code < 300:
                     record.update(status="delivered", last_error=None)
@@ -157,7 +176,7 @@ class Webhooks:
             if attempt < self.attempts:
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
         record["status"] = "failed"
-        log.warning("webhook for %s to %s failed after %d attempt(s): %s", job.id, job.callback_url,
+        log.warning("webhook for %s to %s failed after %d attempt(s): %s", job.id, redacted(job.callback_url),
                     record["attempts"], record["last_error"])
 
     async def close(self) -> None:

@@ -25,7 +25,7 @@ from ..backends import BULK, INTERACTIVE
 from ..jobs import refusals
 from ..jobs.rows import MAX_N
 from . import waiting
-from .batches import AsyncBatch, check_callback_url
+from .batches import AsyncBatch, check_callback_url, redacted
 from .errors import ApiError
 from .responses import progress_json, result_json
 from .schemas import BatchRequest, read_json
@@ -97,7 +97,7 @@ async def batch_async(request: Request) -> JSONResponse:
     session, batch = await _prepare(request, state, body, priority=BULK)
     job = AsyncBatch(batch, session, state.model_id, url)
     if url is not None:
-        job.webhook = {"url": url, "status": "pending", "attempts": 0, "last_error": None}
+        job.webhook = {"url": redacted(url), "status": "pending", "attempts": 0, "last_error": None}
     try:
         state.batches.add(job)  # 429 when full of running batches
     except ApiError:

@@ -134,8 +134,9 @@ def test_batch_request_errors(server, body, status, param):
 
 def test_async_batch_reports_progress_and_posts_its_results_to_the_webhook(server, receiver):
     prompts = ["Say one word.", "Name a colour.", "Count to three."]
+    url = receiver.url.replace("http://", "http://hook:secret@")  # its password was shown in the status and logs
     with server.client() as c:
-        r = c.post("/v1/batch/async", json={"prompts": prompts, "max_tokens": 6, "callback_url": receiver.url})
+        r = c.post("/v1/batch/async", json={"prompts": prompts, "max_tokens": 6, "callback_url": url})
         assert r.status_code == 202, r.text
         batch_id = r.json()["batch_id"]
         status, header_id, first = receiver.next_post()
@@ -143,6 +144,7 @@ def test_async_batch_reports_progress_and_posts_its_results_to_the_webhook(serve
         status, header_id, body = receiver.next_post()  # ... and delivered again
         assert status == 200 and header_id == batch_id
         assert body["id"] == batch_id and body["status"] == "completed"
+        assert "webhook" not in body  # it said "pending": the delivery the receiver was reading
         assert [x["index"] for x in body["results"]] == [0, 1, 2]
         assert all(x["error"] is None and x["text"] for x in body["results"])
         progress = body["progress"]
@@ -157,7 +159,9 @@ def test_async_batch_reports_progress_and_posts_its_results_to_the_webhook(serve
                 break
             time.sleep(0.05)
     assert got["results"] == body["results"] and got["status"] == "completed"
-    assert got["webhook"] == {"url": receiver.url, "status": "delivered", "attempts": 2, "last_error": None}
+    assert got["webhook"] == {"url": receiver.url.replace("http://", "http://hook:***@"), "status": "delivered",
+                              "attempts": 2, "last_error": None}
+    assert "secret" not in server.output()
 
 
 def test_async_batch_can_be_cancelled(server):
