@@ -280,8 +280,7 @@ class Batch:
         self._started_at = time.monotonic()
         self._source = Source(cancelled=True)
         for p in self._prepared:
-            self._deliver(Result(index=p.index, finish_reason="cancelled",
-                                 error=self._cancel_reason or "cancelled before it started"))
+            self._deliver(Result(index=p.index, finish_reason="cancelled", error="cancelled before it started"))
         if self.total == 0:
             self._complete()
 

@@ -22,7 +22,7 @@ from typing import Any, AsyncIterable, AsyncIterator, Callable, Iterable, Iterat
 
 from . import stream
 from .errors import DeadlineExceeded
-from .options import call_timeout, check_options
+from .options import call_timeout, check_options, is_int
 from .processor import BatchProcessor, QueueFull
 from .stats import BatchStats
 from .tensors import TensorBatcher, item_length
@@ -117,7 +117,8 @@ class DynamicFunction:
             return self
         key = f"__dynamically_{self._fn.__name__}"
         store = getattr(instance, "__dict__", None)
-        if not isinstance(store, dict):  # a class (its __dict__ is read-only) or a class with __slots__
+        weak = not isinstance(store, dict)
+        if weak:  # a class (its __dict__ is read-only) or a class with __slots__
             try:
                 store = self._bound_to
             except AttributeError:
@@ -128,8 +129,7 @@ class DynamicFunction:
             if bound is None:
                 # In the instance's own __dict__ a cycle (instance -> batcher -> instance) that the
                 # collector frees; in the weak map the batcher must not hold its key alive.
-                fn = self._fn.__get__(instance, owner) if store is not getattr(self, "_bound_to", None) \
-                    else _weakly_bound(self._fn, instance)
+                fn = _weakly_bound(self._fn, instance) if weak else self._fn.__get__(instance, owner)
                 bound = DynamicFunction(fn, self._options)
                 store[key] = bound
         except TypeError:  # not weakly referenceable: __slots__ without __dict__ or __weakref__
@@ -224,7 +224,7 @@ def dynamically(fn: Callable | None = None, /, *, batch_size: int = 32, timeout_
                    length=length, buckets=buckets, workers=workers, replicas=replicas)
     if fn is not None and not callable(fn):
         raise TypeError(f"dynamically({fn!r}): give the options by name, e.g. @bp.dynamically(batch_size={fn!r})"
-                        if _is_int(fn) else f"dynamically() wraps a function, got {type(fn).__name__} {fn!r}")
+                        if is_int(fn) else f"dynamically() wraps a function, got {type(fn).__name__} {fn!r}")
     check_options(**{k: v for k, v in options.items() if k not in ("workers", "replicas")})
     _make_processor(lambda items: items, options)  # validate the rest now
 
@@ -234,10 +234,6 @@ def dynamically(fn: Callable | None = None, /, *, batch_size: int = 32, timeout_
         return DynamicFunction(f, options)
 
     return wrap(fn) if fn is not None else wrap
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _check_priority(priority) -> None:

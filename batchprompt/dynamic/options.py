@@ -10,7 +10,7 @@ from typing import Any
 from .lengths import bucket_function
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -19,7 +19,7 @@ def _is_number(x: Any) -> bool:
 
 
 def _need_int(name: str, x: Any, low: int, hint: str = "") -> None:
-    if not _is_int(x) or x < low:
+    if not is_int(x) or x < low:
         raise ValueError(f"{name} must be an int >= {low}{hint}, got {x!r}")
 
 
@@ -70,7 +70,7 @@ def check_options(*, batch_size, timeout_ms, small_batch_threshold, max_queue, b
                          "(batch size x longest length)")
     if target_latency_ms is not None:
         _need_positive("target_latency_ms", target_latency_ms, "the time a batch should take")
-    if not _is_int(min_batch_size) or not 1 <= min_batch_size <= batch_size:
+    if not is_int(min_batch_size) or not 1 <= min_batch_size <= batch_size:
         raise ValueError(f"min_batch_size must be between 1 and batch_size={batch_size} (an int), "
                          f"got {min_batch_size!r}")
     if buckets is not None and length is None and not (tensors or pad_token is not None):

@@ -8,6 +8,12 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+def check_architecture(arch: str) -> None:
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"model architecture {arch!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
 @dataclass(frozen=True)
 class ModelArgs:
     vocab_size: int
@@ -29,11 +35,7 @@ class ModelArgs:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"model architecture {self.architecture!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        check_architecture(self.architecture)
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
 
@@ -60,9 +62,7 @@ class ModelArgs:
         if not isinstance(cfg, dict):
             raise ValueError(f"config.json must hold a JSON object, got {type(cfg).__name__}")
         arch = cfg.get("model_type", "llama")
-        if arch not in SUPPORTED_ARCHITECTURES:  # first: another family lacks the keys read below
-            raise ValueError(f"model architecture {arch!r} is not supported; supported: "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        check_architecture(arch)  # first: another family lacks the keys read below
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if k not in cfg]
         if missing:
