@@ -21,22 +21,34 @@ from peers import agreement, load_peer, sweep, until_eos
 
 from batchprompt import LLMEngine, SamplingParams
 from batchprompt.data import SPAM_SYSTEM, predicted_label, read_sms
+from batchprompt.device import resolve_device
 from batchprompt.models import resolve_model
 
 
-def gemm_rate() -> float:
-    """The machine's bfloat16 matmul rate (FLOP/s) on a model-shaped GEMM."""
-    a = torch.randn(2048, 576, dtype=torch.bfloat16)
-    b = torch.randn(576, 3072, dtype=torch.bfloat16)
+def gemm_rate(device: torch.device) -> float:
+    """The device's bfloat16 matmul rate (FLOP/s) on a model-shaped GEMM."""
+    a = torch.randn(2048, 576, dtype=torch.bfloat16, device=device)
+    b = torch.randn(576, 3072, dtype=torch.bfloat16, device=device)
     torch.mm(a, b)
-    t0, n = time.perf_counter(), 30
+    sync(device)
+    t0, n = time.perf_counter(), 30 if device.type == "cpu" else 3000
     for _ in range(n):
         torch.mm(a, b)
+    sync(device)
     return 2 * 2048 * 576 * 3072 * n / (time.perf_counter() - t0)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def peak_gpu_gb(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
 def note(what: str) -> None:
@@ -62,6 +74,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--reply-tokens", type=int, default=128, help="max_tokens of the reply workload")
     ap.add_argument("--peer-batch-sizes", default="8,16,32,64",
                     help="padded peer batch sizes to sweep; the best one is the ratios' base")
+    ap.add_argument("--device", default="auto",
+                    help="auto (a CUDA GPU when one is visible), cpu or cuda[:N]: ours and the peer run there; "
+                         "results go to engine.json on the CPU, engine_cuda.json on a GPU")
     ap.add_argument("--quick", action="store_true", default=os.environ.get("BENCH_QUICK") == "1",
                     help=f"reduced sizes to check the script end to end, figures meaningless "
                          f"(also BENCH_QUICK=1): {QUICK}")
@@ -74,16 +89,19 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    flops_peak = gemm_rate()
+    device = resolve_device(args.device)
+    flops_peak = gemm_rate(device)
     rows = read_sms(limit=args.spam_rows)
-    engine = LLMEngine.from_pretrained()
+    engine = LLMEngine.from_pretrained(device=str(device))
     tok = engine.tokenizer
     spam = [tok.encode_prompt(text, system=SPAM_SYSTEM) for _, text in rows]
     reply_rows = read_sms(limit=args.reply_rows)
     reply = [tok.encode_prompt(f"Write a short reply to this text message: {text}") for _, text in reply_rows]
     eos = sorted(engine.eos_token_ids)
     a = engine.model.args
-    res: dict = {"gemm_tflops": flops_peak / 1e12, "rows": len(rows), "quick": args.quick}
+    res: dict = {"gemm_tflops": flops_peak / 1e12, "rows": len(rows), "quick": args.quick,
+                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                 "dtype": str(engine.runner.dtype).removeprefix("torch.")}
 
     # --- ours: spam over the whole set
     note(f"ours: spam ({len(spam)} prompts), then reply ({len(reply)})")
@@ -99,17 +117,19 @@ def main() -> None:
         hit_rate=(s.cached_prompt_tokens - hit0) / (s.prompt_tokens - pt0),
         accuracy=sum(predicted_label(o.text) == lab for (lab, _), o in zip(rows, outs)) / len(rows),
         mfu=computed * a.flops_per_token(context=64, with_head=False) / secs / flops_peak,
-        peak_rss_gb=peak_rss_gb())
+        peak_rss_gb=peak_rss_gb(), peak_gpu_gb=peak_gpu_gb(device))
     secs, outs = run_ours(engine, reply, args.reply_tokens)
     ours_reply = [until_eos(o.output_token_ids, eos) for o in outs]
     gen = sum(map(len, ours_reply))
     res["ours_reply"] = dict(prompts=len(reply), seconds=secs, gen_tokens=gen, gen_tok_per_s=gen / secs,
                              mfu=(gen + sum(map(len, reply))) * a.flops_per_token(context=128) / secs / flops_peak)
+    engine_dtype = engine.runner.dtype
     del engine
 
     # --- peer: transformers generate, same weights, bfloat16, warmed at each shape as ours is
     note("peer: loading, then the batch-size sweeps")
-    peer = load_peer(resolve_model(None))
+    # On a GPU the peer computes in our dtype; on the CPU in bfloat16, as it always has here
+    peer = load_peer(resolve_model(None), dtype=engine_dtype if device.type == "cuda" else torch.bfloat16).to(device)
     pad = tok.hf.pad_token_id if tok.hf.pad_token_id is not None else eos[0]
     n = min(args.peer_rows, len(spam))
     res["hf_padded_spam"] = peer_runs(sweep(peer, spam[:n], 8, args.sizes, pad, eos), ours_spam, "prompts_per_s")
@@ -120,7 +140,8 @@ def main() -> None:
     res["hf_single_reply"] = peer_runs(sweep(peer, reply[:4], args.reply_tokens, [1], pad, eos),
                                        ours_reply, "gen_tok_per_s")
 
-    save_results("engine_quick" if args.quick else "engine", res)
+    name = "engine" + ("_cuda" if device.type == "cuda" else "") + ("_quick" if args.quick else "")
+    save_results(name, res)
     print(table(res))
 
 
@@ -142,6 +163,7 @@ def table(r: dict) -> str:
     padded = "transformers, padded batches of {} (best size)"
     lines = [
         *(["QUICK RUN: reduced sizes, a format check only; the figures mean nothing", ""] if r.get("quick") else []),
+        f"device: {r.get('device', 'cpu')}, model dtype {r.get('dtype', 'bfloat16')}; "
         f"bfloat16 GEMM rate measured: {r['gemm_tflops']:.2f} TFLOP/s",
         "",
         "| workload | system | prompts | figure | ratio to padded peer |",
@@ -153,7 +175,8 @@ def table(r: dict) -> str:
         f"| reply | {padded.format(prp['batch_size'])} | {prp['prompts']} | {prp['gen_tok_per_s']:.0f} generated tok/s | 1.00x |",
         f"| reply | transformers, one at a time | {p1r['prompts']} | {p1r['gen_tok_per_s']:.0f} generated tok/s | {p1r['gen_tok_per_s'] / prp['gen_tok_per_s']:.2f}x |",
         "",
-        f"spam (ours): prefix-cache hit {o['hit_rate']:.1%} of prompt tokens, peak RSS {o['peak_rss_gb']:.2f} GB, "
+        f"spam (ours): prefix-cache hit {o['hit_rate']:.1%} of prompt tokens, peak RSS {o['peak_rss_gb']:.2f} GB"
+        + (f", peak GPU memory {o['peak_gpu_gb']:.2f} GB, " if o.get("peak_gpu_gb") is not None else ", ") +
         f"{o['mfu']:.0%} of the measured GEMM rate, accuracy {o['accuracy']:.1%}; "
         f"reply (ours): {orp['mfu']:.0%} of the GEMM rate",
         sweep_line("spam", p, "prompts_per_s", "prompts/s", ".1f"),

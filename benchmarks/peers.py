@@ -65,8 +65,8 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, batch_size
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i:i + batch_size]
         width = max(map(len, batch))
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=pad_id, eos_token_id=eos_ids)
         outputs.extend(until_eos(row, eos_ids) for row in out[:, width:].tolist())

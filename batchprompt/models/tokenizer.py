@@ -2,20 +2,45 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import shutil
+import tempfile
 import threading
 from pathlib import Path
 from typing import Sequence
 
+from .gguf_tokenizer import gguf_tokenizer_facts, repair
 from .loader import ModelSource
 
 Message = dict[str, str]
+
+
+log = logging.getLogger("batchprompt")
 
 
 def cache_dir() -> Path:
     root = os.environ.get("BATCHPROMPT_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "batchprompt")
     return Path(root)
+
+
+def _save_whole(hf, cached: Path) -> None:
+    """Write the converted tokenizer to `cached` whole or not at all: into a directory of its
+    own, renamed into place. Processes that start together (replicas, a server and a job) each
+    convert; the first rename wins, and none reads a directory another is still writing."""
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{cached.name}-", dir=cached.parent)
+    except OSError:  # a read-only home only costs the next start a few seconds
+        return
+    try:
+        hf.save_pretrained(tmp)
+        os.rename(tmp, cached)
+    except OSError:  # another process's rename came first, or the disk is full or read-only
+        pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class Tokenizer:
@@ -41,17 +66,26 @@ class Tokenizer:
 
         if source.kind == "hf_dir":
             return cls(AutoTokenizer.from_pretrained(str(source.path)), extra_eos)
-        # Converting a GGUF vocabulary takes seconds; keep the converted files in a cache.
+        # Converting a GGUF vocabulary takes seconds; keep the converted files in a cache, one
+        # per file and transformers version (versions convert differently).
+        import transformers
+
         stat = source.path.stat()
-        key = hashlib.sha256(f"{source.path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+        key = hashlib.sha256(f"{source.path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:"
+                             f"{transformers.__version__}".encode()).hexdigest()[:16]
         cached = cache_dir() / "tokenizers" / key
-        if (cached / "tokenizer.json").is_file():
-            return cls(AutoTokenizer.from_pretrained(str(cached)), extra_eos)
+        if cached.is_dir():  # renamed into place whole (_save_whole), and put right before
+            try:
+                return cls(AutoTokenizer.from_pretrained(str(cached)), extra_eos)
+            except Exception as e:  # damaged since: convert again (and leave it for the user to delete)
+                log.warning("the cached tokenizer %s cannot be read (%s); converting %s again; delete the "
+                            "directory to cache it anew", cached, e, source.path.name)
         hf = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
-        try:
-            hf.save_pretrained(str(cached))
-        except OSError:  # a read-only home only costs the next start a few seconds
-            pass
+        changed = repair(hf, gguf_tokenizer_facts(source.path))
+        if changed:
+            log.info("the tokenizer that transformers %s made of %s was put right by the file: %s",
+                     transformers.__version__, source.path.name, "; ".join(changed))
+        _save_whole(hf, cached)
         return cls(hf, extra_eos)
 
     @property

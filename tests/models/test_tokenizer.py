@@ -146,3 +146,82 @@ def test_a_text_too_long_by_its_length_is_refused_without_encoding(name, tmp_pat
     with pytest.raises(ValueError, match=r"at least \d+ tokens long, more than 1000") as e:
         tok.encode_prompt([{"role": "user", "content": huge}], limit=1000)
     assert e.value.at_least > 1000
+
+
+def _converted_as_transformers_5_17_did(tmp_path):
+    """The embedded model's tokenizer as transformers 5.17 converts it from the GGUF file: a
+    SentencePiece decoder chain and byte fallback over the byte-level vocabulary, and
+    <|im_start|> for EOS. (Built from the right conversion, edited; 5.17 is not installed here.)"""
+    from transformers import AutoTokenizer
+
+    good = Tokenizer.load(resolve_model(None))
+    path = tmp_path / "as-5.17"
+    good.hf.save_pretrained(path)
+    spec = json.loads((path / "tokenizer.json").read_text())
+    spec["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}]}
+    spec["model"].update(byte_fallback=True, fuse_unk=True)
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["eos_token"] = "<|im_start|>"
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return AutoTokenizer.from_pretrained(path)
+
+
+def test_a_gguf_tokenizer_that_transformers_converts_wrongly_is_put_right_by_the_file(tmp_path, monkeypatch):
+    """On a machine with transformers 5.17, every regex and JSON-schema answer of the embedded
+    model failed or held control characters: the grammar engine read the converted tokenizer's
+    byte fallback as SentencePiece's and took 'Ġ' (a space) for two bytes. Its EOS was
+    <|im_start|> too, and <|im_end|> showed in log-prob bytes. The file's metadata says what
+    the tokenizer is, and the load puts it right."""
+    import transformers
+
+    from batchprompt.structured import Grammar
+    from batchprompt.structured.compiler import GrammarCompiler
+
+    broken = _converted_as_transformers_5_17_did(tmp_path)
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def as_5_17(name, *args, **kwargs):
+        return broken if kwargs.get("gguf_file") else real(name, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", as_5_17)
+    monkeypatch.setenv("BATCHPROMPT_CACHE", str(tmp_path / "cache"))
+    for attempt in ("converted", "from the cache"):
+        tok = Tokenizer.load(resolve_model(None), [2])
+        assert (tok.hf.eos_token, tok.hf.eos_token_id) == ("<|im_end|>", 2), attempt
+        assert tok.token_bytes(2) == b"" and tok.token_bytes(tok.hf.convert_tokens_to_ids("Ġthe")) == b" the", attempt
+        compiler = GrammarCompiler(tok.hf, tok.vocab_size, tok.eos_token_ids)
+        matcher = compiler.matcher(Grammar.regex("spam eggs"))
+        for t in tok.encode("spam eggs", add_special_tokens=False):
+            assert matcher.consume_token(t), (attempt, tok.hf.convert_ids_to_tokens(t), matcher.get_error())
+        assert matcher.is_accepting(), attempt
+
+
+def test_a_tokenizer_cache_is_never_read_half_written(tmp_path, monkeypatch):
+    """Converting a GGUF vocabulary writes a cache directory file by file. A process that
+    started beside another (a server and a job, Ray replicas) read the directory while the other
+    still wrote it, or a write cut off left part of it: the next load took a tokenizer.json
+    without its config (another EOS, no chat template). The directory is now renamed into place
+    whole; a write that fails leaves nothing."""
+    from transformers import PreTrainedTokenizerBase
+
+    monkeypatch.setenv("BATCHPROMPT_CACHE", str(tmp_path / "cache"))
+    real_save = PreTrainedTokenizerBase.save_pretrained
+
+    def cut_off(self, directory, *args, **kwargs):
+        real_save(self, directory, *args, **kwargs)
+        (tmp_path / "written").mkdir(exist_ok=True)
+        for name in ("tokenizer_config.json", "chat_template.jinja"):  # the write stops before these
+            (type(tmp_path)(directory) / name).unlink(missing_ok=True)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", cut_off)
+    first = Tokenizer.load(resolve_model(None))
+    assert (tmp_path / "written").is_dir()  # the cut-off write did happen
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", real_save)
+    again = Tokenizer.load(resolve_model(None))
+    assert again.hf.eos_token == first.hf.eos_token == "<|im_end|>"
+    assert again.has_chat_template and again.render("hi") == first.render("hi")
+    assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 1  # the whole one, nothing left over
