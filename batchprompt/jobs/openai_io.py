@@ -97,8 +97,7 @@ def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
             for t in tokens:
                 offsets.append(pos)
                 pos += len(t)
-            tops = _tops(r)
-            top = None if tops is None else [{pieces.text(t): v for t, v in pos} for pos in tops]
+            top = _completion_tops(r, tokens, pieces)
             choice["logprobs"] = {"tokens": tokens, "token_logprobs": list(r.logprobs),
                                   "top_logprobs": top, "text_offset": offsets}
         out.append(_with_extras(choice, r, with_ids))
@@ -121,6 +120,19 @@ def _chat_token(tid: int, logprob: float, pieces: TokenPieces) -> dict[str, Any]
     t = pieces.text(tid)
     raw = pieces.bytes(tid) if pieces.bytes is not None else t.encode("utf-8", "surrogatepass")
     return {"token": t, "logprob": logprob, "bytes": list(raw)}
+
+
+def _completion_tops(r: Result, tokens: list[str], pieces: TokenPieces) -> list[dict[str, float]]:
+    """/v1/completions' top_logprobs, as OpenAI and vLLM give them: at each position the `logprobs`
+    most likely tokens and the chosen one (up to logprobs + 1 entries; `logprobs: 0` gives the
+    chosen token alone), whether or not it was among them."""
+    tops = _tops(r) or [()] * len(tokens)
+    out = []
+    for token, logprob, pos in zip(tokens, r.logprobs, tops):
+        step = {pieces.text(t): v for t, v in pos}
+        step.setdefault(token, logprob)
+        out.append(step)
+    return out
 
 
 def _tops(r: Result) -> list[list[tuple[int, float]]] | None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+from .rows import asked_max_tokens
+
 #: field -> is the value a no-op? (The sampling options, from presence_penalty to best_of and
 #: top_logprobs, go to the engine through run.row_params.)
 _NOOP = {
@@ -93,7 +95,7 @@ def too_long(what: str, tokens: str, max_model_len: int) -> Refused:
 def asked_max_tokens(body: dict, params) -> int | None:
     """`params.max_tokens` where the body gives its own max_tokens (or max_completion_tokens),
     None where it gives none (a default applies, cut at the context's end)."""
-    return params.max_tokens if body.get("max_completion_tokens", body.get("max_tokens")) is not None else None
+    return params.max_tokens if asked_max_tokens(body) is not None else None
 
 
 def _check_template_fields(body: dict) -> None:

@@ -339,6 +339,14 @@ def row_from_body(n: int, cid: str, url: str, body: dict) -> Row | RowError:
     return row
 
 
+def asked_max_tokens(body: dict) -> Any:
+    """The body's max_completion_tokens, else its max_tokens, else None. A null counts as not
+    given, as in OpenAI's and vLLM's servers: the `openai` client sends
+    `"max_completion_tokens": null` beside `max_tokens` where a caller passes None."""
+    given = body.get("max_completion_tokens")
+    return given if given is not None else body.get("max_tokens")
+
+
 def _check_counts(body: dict) -> tuple[str, str] | None:
     """(field, what is wrong) with the body's n or max_tokens, if anything. Checked here because
     0 must not fall back to the default. (Temperature, top_p, seed, ... are SamplingParams' to

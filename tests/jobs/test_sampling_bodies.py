@@ -124,3 +124,24 @@ def test_structured_outputs_flags_that_match_what_batchprompt_does_are_accepted(
 def test_two_constraints_from_two_fields_fail_the_row_naming_both(body, match):
     with pytest.raises(ValueError, match=match):
         row_spec(row(CHAT, **body), OPTS)
+
+
+def test_completion_top_logprobs_always_hold_the_chosen_token():
+    """/v1/completions as OpenAI and vLLM answer it: at each position the `logprobs` most likely
+    tokens and the chosen one (up to logprobs + 1 entries). A sampled token outside the top-k
+    was missing, and `logprobs: 0` gave null where vLLM gives the chosen token alone."""
+    sampled = TopResult(0, "cb", "stop", Usage(3, 2), logprobs=[-2.5, -0.2], token_ids=[7, 6],
+                        top_logprobs=[[(5, -0.1)], [(6, -0.2)]])
+    body = openai_io.response_body(row(COMPLETION, logprobs=1), [sampled], "m", 0, TEXT.get)
+    assert body["choices"][0]["logprobs"]["top_logprobs"] == [{"a": -0.1, "c": -2.5}, {"b": -0.2}]
+    alone = TopResult(0, "cb", "stop", Usage(3, 2), logprobs=[-2.5, -0.2], token_ids=[7, 6], top_logprobs=None)
+    body = openai_io.response_body(row(COMPLETION, logprobs=0), [alone], "m", 0, TEXT.get)
+    assert body["choices"][0]["logprobs"]["top_logprobs"] == [{"c": -2.5}, {"b": -0.2}]
+
+
+@pytest.mark.parametrize("url", [CHAT, COMPLETION])
+def test_a_null_max_completion_tokens_leaves_max_tokens_in_force(url):
+    """The `openai` client sends "max_completion_tokens": null beside max_tokens where a caller
+    passes None; the null threw max_tokens away, and the answer ran to the context's end."""
+    assert row_params(row(url, max_tokens=2, max_completion_tokens=None), OPTS)[0].max_tokens == 2
+    assert row_params(row(url, max_tokens=2, max_completion_tokens=5), OPTS)[0].max_tokens == 5
