@@ -24,7 +24,6 @@ from .items import Prepared, check_errors, to_result
 from .progress import Progress
 from .result import EngineStoppedError, Result
 from ..backends.base import INTERACTIVE, Backend, Item, Source
-from .structured import OutputSpec
 
 log = logging.getLogger("batchprompt")
 
@@ -128,7 +127,7 @@ class Batch:
             # once and is still cached while its group runs (a trie order of the token ids).
             order.sort(key=lambda p: p.token_ids)
         for p in order:
-            source.items.append(Item(p.token_ids, p.params, self._handler(p.index, p.spec),
+            source.items.append(Item(p.token_ids, p.params, self._handler(p),
                                      on_tokens=self._token_handler(p.index) if self._on_tokens else None))
         self._source = source
         for p in self._prepared:
@@ -139,8 +138,9 @@ class Batch:
         elif source.items:
             self._service.submit(source)
 
-    def _handler(self, index: int, spec: OutputSpec | None) -> Callable[[RequestOutput], None]:
-        return lambda out: self._deliver(to_result(index, out, spec))
+    def _handler(self, p: Prepared) -> Callable[[RequestOutput], None]:
+        asked_stop = bool(p.params.stop or p.params.stop_token_ids)
+        return lambda out: self._deliver(to_result(p.index, out, p.spec, asked_stop))
 
     def _token_handler(self, index: int) -> Callable[[list[int], bool], None]:
         def handle(ids: list[int], last: bool) -> None:

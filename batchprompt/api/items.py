@@ -20,7 +20,9 @@ class Prepared:
     spec: OutputSpec | None = None  # structured output: checks and parses the result
 
 
-def to_result(index: int, out: RequestOutput, spec: OutputSpec | None = None) -> Result:
+def to_result(index: int, out: RequestOutput, spec: OutputSpec | None = None, asked_stop: bool = False) -> Result:
+    """`asked_stop`: the request gave stop strings or stop token ids (which may end a structured
+    output before it is complete; see OutputSpec.finish)."""
     cancelled = out.finish_reason == "abort"
     result = Result(
         index=index, text=out.text,
@@ -30,7 +32,7 @@ def to_result(index: int, out: RequestOutput, spec: OutputSpec | None = None) ->
         logprobs=out.logprobs, top_logprobs=out.top_logprobs, token_ids=out.output_token_ids,
         retryable=out.retryable,
     )
-    return spec.finish(result, out.choice_logprobs, out.grammar_complete) if spec is not None else result
+    return spec.finish(result, out.choice_logprobs, out.grammar_complete, asked_stop) if spec is not None else result
 
 
 def check_errors(results: list[Result], errors: str) -> list[Result]:

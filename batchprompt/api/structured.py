@@ -83,11 +83,15 @@ class OutputSpec:
         # A label that is a prefix of another ends with EOS, within the longest label's length.
         return replace(params, grammar=Grammar.choices(self.labels, ids), max_tokens=len(ids[longest]))
 
-    def finish(self, result: Result, choice_logprobs: list[float] | None = None, complete: bool = False) -> Result:
+    def finish(self, result: Result, choice_logprobs: list[float] | None = None, complete: bool = False,
+               asked_stop: bool = False) -> Result:
         """Check and parse a finished result: a label with its probabilities, parsed JSON, or a
         clear error when the output was cut before it completed its grammar. `complete`: the
         engine found the output a whole match (max_tokens may cut one that could go on: "a+"
-        after "aaaa" is a match, kept with finish_reason "length", as vLLM keeps it)."""
+        after "aaaa" is a match, kept with finish_reason "length", as vLLM keeps it).
+        `asked_stop`: the request gave stop strings or stop token ids; one that ends a JSON
+        answer before it is whole leaves the text as the answer (finish_reason "stop", nothing
+        parsed), as vLLM answers it and as a stream of it reads."""
         if result.error is not None:
             return result
         if self.labels and choice_logprobs is not None:
@@ -108,8 +112,11 @@ class OutputSpec:
                           else json.loads(result.text))
             except ValueError as e:  # json.JSONDecodeError and pydantic's ValidationError
                 # A remote server cannot say whether a cut output is complete: it is if it parses.
-                return self._cut(result) if cut else replace(
-                    result, error=f"the output does not parse as the schema asks: {e}")
+                if cut:
+                    return self._cut(result)
+                if asked_stop and result.finish_reason == "stop" and not complete:
+                    return result
+                return replace(result, error=f"the output does not parse as the schema asks: {e}")
             return replace(result, parsed=parsed)
         return result
 

@@ -82,6 +82,18 @@ def test_json_schema_outputs_validate(lm, messages):
         assert r.parsed == json.loads(r.text)
 
 
+def test_a_stop_string_that_ends_a_json_answer_early_leaves_its_text(lm, messages):
+    """A stop string the caller gave ended a JSON answer before it was whole: the call failed
+    ("does not parse as the schema asks"; a 400 from the server, whose stream of the same answer
+    read fine). vLLM answers with the text and finish_reason "stop"; so do we, parsing nothing."""
+    ask = messages[0] + "\nDescribe this message in JSON."
+    r = lm.batch_prompt([ask], json_schema=SCHEMA, max_tokens=80, stop=[":"])[0]
+    assert r.ok and r.finish_reason == "stop" and r.parsed is None, r
+    assert r.text.startswith("{") and ":" not in r.text
+    whole = lm.batch_prompt([ask], json_schema=SCHEMA, max_tokens=80)[0]  # the same answer, unstopped
+    assert whole.ok and whole.parsed is not None and whole.text.startswith(r.text)
+
+
 def test_pydantic_class_results_parse_into_instances(lm, messages):
     results = lm.batch_prompt(messages[:8], json_schema=Fields, max_tokens=60)
     assert all(r.ok and isinstance(r.parsed, Fields) for r in results)
