@@ -92,8 +92,21 @@ class Grammar:
         if self.kind == "regex":
             return LLMatcher.grammar_from_regex(self.source)
         if self.kind == "lark":
-            return LLMatcher.grammar_from_lark(self.source)
+            return LLMatcher.grammar_from_lark(_as_lark(self.source))
         return LLMatcher.grammar_from_json_schema(self.source)
+
+
+def _as_lark(text: str) -> str:
+    """A grammar as llguidance's Lark: Lark as it is, and GBNF (llama.cpp's `root ::= ...`,
+    which vLLM's guided_grammar takes from its examples) converted by llguidance's own tool."""
+    from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark, is_lark_syntax
+
+    if "::=" not in text or is_lark_syntax(text):
+        return text
+    try:
+        return gbnf_to_lark(text)
+    except GbnfToLarkError as e:
+        raise ValueError(f"the grammar reads as GBNF (it has '::=') but does not convert to Lark: {e}") from None
 
 
 def check_choices(labels: Sequence[str]) -> list[str]:

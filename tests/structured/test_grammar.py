@@ -45,6 +45,21 @@ def test_rejected_grammars_raise_a_clear_error(compiler, grammar, message):
         compiler.matcher(grammar)
 
 
+def test_a_gbnf_grammar_as_vllm_takes_it_matches_as_its_lark_twin(compiler, engine32):
+    """vLLM's guided_grammar examples are GBNF (`root ::= ...`); it was refused ("Expected token
+    '_', found '='"). GBNF is converted with llguidance's own tool; Lark is taken as it is."""
+    tok = engine32.tokenizer
+    gbnf = 'root ::= answer " (" digit digit "%)"\nanswer ::= "yes" | "no"\ndigit ::= [0-9]'
+    lark = 'start: answer " (" DIGIT DIGIT "%)"\nanswer: "yes" | "no"\nDIGIT: /[0-9]/'
+    for text, ok in (("yes (42%)", True), ("no (7%)", False), ("maybe (42%)", False)):
+        for source in (gbnf, lark):
+            m = compiler.matcher(Grammar.lark(source))
+            walked = all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False))
+            assert (walked and m.is_accepting()) == ok, (source, text)
+    with pytest.raises(GrammarError, match="GBNF"):
+        compiler.matcher(Grammar.lark('root ::= "yes" | ('))
+
+
 def test_each_request_gets_its_own_matcher_state(compiler, engine32):
     g = Grammar.choices(["spam", "ham"])
     a, b = compiler.matcher(g), compiler.matcher(g)
