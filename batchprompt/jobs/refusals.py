@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from .rows import asked_max_tokens
+from .rows import max_tokens_field
 
 #: field -> is the value a no-op? (The sampling options, from presence_penalty to best_of and
 #: top_logprobs, go to the engine through run.row_params.)
@@ -59,6 +59,10 @@ def refuse_unsupported(body: dict) -> dict:
     if body.get("stream_options") is not None and not body.get("stream"):
         raise Refused("stream_options is only allowed with stream: true", "invalid_parameter", "stream_options")
     _check_template_fields(body)
+    if body.get("stream") and body.get("best_of") not in (None, body.get("n") or 1):
+        # OpenAI's: "results cannot be streamed"; the best of several is known only at the end.
+        raise Refused("best_of other than n cannot be streamed: leave out stream or best_of",
+                      "invalid_parameter", "best_of")
     if body.get("best_of") is not None and body.get("best_of") == (body.get("n") or 1):
         # best_of = n picks all n: a no-op clients send, not the best-of-n search (which needs n = 1).
         body = {k: v for k, v in body.items() if k != "best_of"}
@@ -95,7 +99,7 @@ def too_long(what: str, tokens: str, max_model_len: int) -> Refused:
 def asked_max_tokens(body: dict, params) -> int | None:
     """`params.max_tokens` where the body gives its own max_tokens (or max_completion_tokens),
     None where it gives none (a default applies, cut at the context's end)."""
-    return params.max_tokens if asked_max_tokens(body) is not None else None
+    return params.max_tokens if max_tokens_field(body) is not None else None
 
 
 def _check_template_fields(body: dict) -> None:

@@ -339,7 +339,7 @@ def row_from_body(n: int, cid: str, url: str, body: dict) -> Row | RowError:
     return row
 
 
-def asked_max_tokens(body: dict) -> Any:
+def max_tokens_field(body: dict) -> Any:
     """The body's max_completion_tokens, else its max_tokens, else None. A null counts as not
     given, as in OpenAI's and vLLM's servers: the `openai` client sends
     `"max_completion_tokens": null` beside `max_tokens` where a caller passes None."""

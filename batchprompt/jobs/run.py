@@ -24,7 +24,7 @@ from . import openai_io, refusals
 from .ids import check_ids
 from .journal import Journal, record_json
 from .lock import JobLock
-from .rows import CHAT, COMPLETION, InputError, Row, RowError, Table, asked_max_tokens, read_input
+from .rows import CHAT, COMPLETION, InputError, Row, RowError, Table, max_tokens_field, read_input
 from .storage import StorageError, write_atomic
 
 log = logging.getLogger("batchprompt")
@@ -260,7 +260,7 @@ def row_params(row: Row, opts: JobOptions) -> tuple[SamplingParams, int]:
     choice), identical prompts share their prefill through the prefix cache, and identical
     deterministic items run once. `best_of` runs in the engine, so it needs n = 1."""
     b = row.body
-    max_tokens = _given(asked_max_tokens(b), opts.max_tokens)
+    max_tokens = _given(max_tokens_field(b), opts.max_tokens)
     temperature = _given(b.get("temperature"), opts.temperature)
     seed = _given(b.get("seed"), opts.seed)
     n = _given(b.get("n"), 1)
