@@ -176,8 +176,11 @@ def _read_table(raw: bytes, fmt: str, path: str, column: str | None = None):
     except ImportError as e:
         raise InputError(f"{path}: reading {fmt} needs pyarrow: pip install pyarrow") from e
     try:
+        # use_threads=False: on the calling thread. pyarrow's reader threads, still starting as
+        # an input error ended the command, aborted it (exit 134, "terminate called without an
+        # active exception") in about 1 of 3 runs on a busy machine.
         if fmt == "parquet":
-            return pq.read_table(pa.BufferReader(raw))
+            return pq.read_table(pa.BufferReader(raw), use_threads=False)
         delimiter = "\t" if path.endswith(".tsv") else ","
 
         def read(block_size: int | None = None):
@@ -185,7 +188,7 @@ def _read_table(raw: bytes, fmt: str, path: str, column: str | None = None):
             # with one bad byte into binary); _replace_invalid_utf8 repairs them. pyarrow skips a BOM.
             # The prompt column is text as written: a column of numbers ("42", "007") is prompts too.
             types = {column: pa.string()} if column else {}
-            return pacsv.read_csv(pa.BufferReader(raw), read_options=pacsv.ReadOptions(block_size=block_size),
+            return pacsv.read_csv(pa.BufferReader(raw), read_options=pacsv.ReadOptions(block_size=block_size, use_threads=False),
                                   parse_options=pacsv.ParseOptions(delimiter=delimiter),
                                   convert_options=pacsv.ConvertOptions(strings_can_be_null=False, check_utf8=False,
                                                                        column_types=types))
