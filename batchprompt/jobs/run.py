@@ -464,11 +464,18 @@ class JobRun:
                                    refusals.asked_max_tokens(row.body, params))
             per_choice = [params if n == 1 or params.seed is None else
                           replace(params, seed=params.seed + choice) for choice in range(n)]
-        except Exception as e:  # any failure to prepare one row (a chat template that raises) is its own
+        except Exception as e:  # any failure to prepare one row fails that row alone
+            if not _the_rows_fault(e):
+                # Not the row's doing (a defect of batchprompt's, say): its error line is written,
+                # but it is not journaled, so the same command run again (fixed) runs it.
+                return RetryLine(openai_io.error_line(
+                    row.line, row.custom_id, "internal_error", f"line {row.line}: batchprompt could not prepare "
+                    f"this row ({type(e).__name__}: {e}); it was not journaled: run the same command again to "
+                    f"retry it, and report the error if it stays", job))
             param = refusals.param_named(str(e), row.body) if code == "invalid_parameter" else None
             if isinstance(e, refusals.Refused):
                 code, param = e.code, e.param
-            elif code == "invalid_parameter" and not isinstance(e, (TypeError, ValueError)):
+            elif code == "invalid_parameter" and not isinstance(e, ValueError):
                 code = "invalid_request"
             return openai_io.error_line(row.line, row.custom_id, code, f"line {row.line}: {e}", job, param)
         return Ready(row, ids, per_choice, spec)
@@ -480,6 +487,8 @@ class JobRun:
             r = self._ready(row, service, journal.job_id)
             if isinstance(r, Ready):
                 ready.append(r)
+            elif isinstance(r, RetryLine):
+                self._not_run[row.line] = record_json(r)
             else:
                 journal.record(row.line, row.custom_id, False, r)
         return _items(ready)
@@ -653,6 +662,31 @@ def _remove_journal(path: Path) -> None:
 def _stats_snapshot(service: Backend) -> tuple[int, int]:
     s = service.stats()
     return s.prompt_tokens, s.cached_prompt_tokens
+
+
+class RetryLine(dict):
+    """A row's error line that is not journaled: a rerun of the job runs the row again."""
+
+
+def _the_rows_fault(e: Exception) -> bool:
+    """Whether preparing a row failed on the row itself: a value refused (ValueError, Refused,
+    a prompt too long), or its chat template raising on its messages. Anything else (a
+    TypeError or AttributeError in batchprompt's own code) was journaled as the row's failure,
+    for good: a fixed build, run again, said "already complete"."""
+    if isinstance(e, ValueError):
+        return True
+    try:
+        from jinja2.exceptions import TemplateError
+    except ImportError:  # pragma: no cover (transformers needs jinja2 for chat templates)
+        return False
+    return isinstance(e, TemplateError) or any(
+        tb.tb_frame.f_code.co_filename.startswith("<template>") for tb in _frames(e.__traceback__))
+
+
+def _frames(tb):
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
 
 
 def run_job(opts: JobOptions, out=None) -> JobSummary:

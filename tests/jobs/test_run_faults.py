@@ -60,6 +60,33 @@ def test_a_row_whose_chat_template_raises_is_that_rows_error(tmp_path, monkeypat
 
 
 @pytest.mark.slow
+def test_a_defect_in_preparing_a_row_is_not_journaled_so_a_rerun_runs_it(tmp_path, monkeypatch):
+    """A bug of batchprompt's while rows were prepared (for a while a function called itself:
+    a TypeError on every chat row) was journaled as each row's own failure, for good: the fixed
+    build, run again, said "already complete ... 60 failed". Such a row's error line is written
+    but not journaled, and the same command run again runs it."""
+    from batchprompt.jobs import refusals
+
+    real = refusals.check_context
+
+    def broken(*args, **kwargs):
+        raise TypeError("check_context() missing 1 required positional argument: 'params'")
+
+    monkeypatch.setattr(refusals, "check_context", broken)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(chat_line(i, t) + "\n" for i, (_, t) in enumerate(sms_rows(2))))
+    args = ["run", str(inp), "-o", str(out), "--max-tokens", "2", "--no-progress"]
+    assert main(args) == 1
+    errors = _errors(out)
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("sms-0", "internal_error"), ("sms-1", "internal_error")]
+    assert all("TypeError" in e["error"]["message"] and "run the same command again" in e["error"]["message"]
+               for e in errors)
+    monkeypatch.setattr(refusals, "check_context", real)  # the fixed build
+    assert main(args) == 0
+    assert [o["custom_id"] for o in parse_outputs(out)] == ["sms-0", "sms-1"]
+
+
+@pytest.mark.slow
 def test_an_id_with_a_lone_surrogate_is_that_rows_error_written_escaped(tmp_path):
     text = sms_rows(1)[0][1]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
