@@ -27,7 +27,10 @@ class JournalMismatch(Exception):
 
 class Journal:
     def __init__(self, path: str | Path, fingerprint: str, restart: bool = False,
-                 commit_every: int = 64, commit_seconds: float = 0.5, job_id: str | None = None):
+                 commit_every: int = 64, commit_seconds: float = 0.5, job_id: str | None = None,
+                 settings: dict[str, object] | None = None):
+        """`settings`: what the fingerprint was made of, by name (kept, so that a mismatch can
+        say which of them changed)."""
         self.path = Path(path)
         self._pending: list[tuple[int, str | None, int, str, int, int]] = []
         try:
@@ -47,17 +50,21 @@ class Journal:
                             "prompt_tokens INTEGER NOT NULL DEFAULT 0, completion_tokens INTEGER NOT NULL DEFAULT 0)")
         other = self.get("fingerprint") not in (None, fingerprint)  # begun for another input or options
         if other and not restart and not self.empty():
+            changed = self._changed(settings)
             self.db.close()
             raise JournalMismatch(
-                f"the journal {self.path} belongs to a different input or different options (the "
-                f"input file, or an option such as --system, --max-tokens or --temperature, changed "
-                f"since the job began); run with the job's first options to resume, or --restart to "
-                f"start over")
+                f"the journal {self.path} belongs to a different input or different options ("
+                + (f"changed since the job began: {changed}" if changed else
+                   "the input file, or an option such as --model, --system, --max-tokens or --temperature, "
+                   "changed since the job began")
+                + "); run with the job's first options to resume, or --restart to start over")
         if restart or other:  # other: an empty journal, taken over (nothing is lost)
             with self._writing():
                 self.db.execute("DELETE FROM rows")
                 self.db.execute("DELETE FROM meta")
         self.set("fingerprint", fingerprint)
+        if settings is not None:
+            self.set("settings", json.dumps(settings, sort_keys=True, default=str))
         #: This job's own id (kept across resumes; new with restart): it scopes the ids of its
         #: lines. A caller with an id of its own (the server: the batch's) gives it.
         self.job_id = job_id or self.get("job_id") or secrets.token_hex(8)
@@ -70,6 +77,19 @@ class Journal:
         found as the model loaded) left it, and a run with other options may take it over, losing
         nothing."""
         return not self._pending and self.db.execute("SELECT 1 FROM rows LIMIT 1").fetchone() is None
+
+    def _changed(self, settings: dict[str, object] | None) -> str:
+        """The settings that differ from the journal's, as "name (was → now)"; "" where the
+        journal kept none (begun by an older batchprompt) or none differs by name."""
+        try:
+            before = json.loads(self.get("settings") or "null")
+        except ValueError:
+            before = None
+        if not isinstance(before, dict) or settings is None:
+            return ""
+        now = json.loads(json.dumps(settings, sort_keys=True, default=str))
+        return ", ".join(f"{k} ({json.dumps(before.get(k))} → {json.dumps(now.get(k))})"
+                         for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k))
 
     def get(self, key: str) -> str | None:
         row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()

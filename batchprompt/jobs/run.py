@@ -122,9 +122,26 @@ def default_errors_path(output: str) -> str | None:
 
 def fingerprint(raw: bytes, opts: JobOptions) -> str:
     h = hashlib.sha256(raw)
-    h.update(json.dumps([opts.model, opts.system, opts.max_tokens, opts.temperature, opts.seed,
+    h.update(json.dumps([_model_named(opts.model), opts.system, opts.max_tokens, opts.temperature, opts.seed,
                          opts.column, opts.format, opts.structured], sort_keys=True).encode())
     return h.hexdigest()
+
+
+def job_settings(raw: bytes, opts: JobOptions) -> dict[str, object]:
+    """What the fingerprint is made of, by the names a user knows (a mismatch names those that changed)."""
+    return {"the input file (sha256)": hashlib.sha256(raw).hexdigest()[:16], "--model": _model_named(opts.model),
+            "--system": opts.system, "--max-tokens": opts.max_tokens, "--temperature": opts.temperature,
+            "--seed": opts.seed, "--column": opts.column, "--format": opts.format,
+            "the structured-output options": opts.structured}
+
+
+def _model_named(model: str | None) -> str | None:
+    """The embedded model by any of its names is the default (None), as the journals of earlier
+    runs have it: a job begun without --model resumes with --model smollm2-135m, or on servers
+    that serve it under that name (--endpoints)."""
+    from ..models.loader import EMBEDDED_NAMES
+
+    return None if model is None or str(model).lower() in EMBEDDED_NAMES else model
 
 
 def check_writable(path: str, what: str = "the output") -> None:
@@ -363,7 +380,7 @@ class JobRun:
             return self.dry_run(table)
         with JobLock(journal_path):  # a second run of this job stops here, naming this one
             fresh = not Path(journal_path).exists()
-            journal = Journal(journal_path, fp, restart=opts.restart)
+            journal = Journal(journal_path, fp, restart=opts.restart, settings=job_settings(table.raw, opts))
             unused = False
             try:
                 return self._run(table, journal, model_name, errors_path)

@@ -69,7 +69,7 @@ def test_a_changed_input_is_refused_unless_restarted(tmp_path):
     j.close()
     with pytest.raises(JournalMismatch, match="--restart") as e:
         Journal(path, "fp2")
-    assert "or an option such as --system" in str(e.value)  # not only "the input file changed"
+    assert "or an option such as --model, --system" in str(e.value)  # not only "the input file changed"
     j = Journal(path, "fp2", restart=True)
     assert j.done_lines() == set()
     j.close()

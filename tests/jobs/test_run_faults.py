@@ -202,3 +202,18 @@ def test_a_prompt_column_of_numbers_is_named_so(tmp_path, capsys, no_model):
     (tmp_path / "in.csv").write_text("id,text\n1,42\n2,007\n")
     rows = read_input(str(tmp_path / "in.csv"), "text").rows
     assert [r.messages[0]["content"] for r in rows] == ["42", "007"]
+
+
+@pytest.mark.slow
+def test_a_job_resumes_under_any_name_of_its_model_and_a_mismatch_names_what_changed(tmp_path, capsys):
+    """A job begun without --model was refused with --model smollm2-135m (the same model), and
+    on servers that serve it by that name (--endpoints); the message did not say what changed."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(chat_line(i, t) + "\n" for i, (_, t) in enumerate(sms_rows(2))))
+    args = ["run", str(inp), "-o", str(out), "--max-tokens", "2", "--no-progress"]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(args + ["--model", "smollm2-135m"]) == 0, capsys.readouterr().err  # already complete
+    assert main(args + ["--temperature", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "changed since the job began: --temperature (0.0 → 0.5)" in err, err
