@@ -56,7 +56,10 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     ap = argparse.ArgumentParser(prog="batchprompt", description="Run a language model over many prompts.")
+    ap.add_argument("--version", action="version", version=f"batchprompt {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a file of prompts (resumable)", description=RUN_HELP,
                          formatter_class=_HelpFormatter)
@@ -120,10 +123,11 @@ def add_hardware_arguments(hw, too_long: str) -> None:
 
 
 def add_endpoint_arguments(g) -> None:
-    g.add_argument("--endpoints", default=None, metavar="HOSTFILE",
+    g.add_argument("--endpoints", default=None, metavar="HOSTFILE|URL",
                    help="run on these servers instead of a local engine: a file of one endpoint a line (host:port, "
-                        "'host port' or a URL; # comments; weight=2 tags); --model names the served model (default: "
-                        "the one they serve)")
+                        "'host port' or a URL; # comments; weight=2 tags), or the servers' URLs themselves, joined "
+                        "by commas (http://127.0.0.1:8000/v1); --model names the served model (default: the one "
+                        "they serve)")
     g.add_argument("--api-key", default=None, metavar="KEY",
                    help="the servers' API key (default: $BATCHPROMPT_API_KEY, then $OPENAI_API_KEY, if set)")
     g.add_argument("--give-up-after", type=float, default=None, metavar="SECONDS",

@@ -126,6 +126,9 @@ def read_input(path: str, column: str | None = None, stdin=None) -> Table:
         raw = (stdin or __import__("sys").stdin.buffer).read()
     else:
         p = Path(path)
+        if p.is_dir():
+            raise InputError(f"{path}: is a folder, not an input file; give the file in it (a .jsonl, .csv or "
+                             f".parquet file)")
         if not p.is_file():
             raise InputError(f"{path}: no such input file")
         raw = p.read_bytes()

@@ -112,7 +112,11 @@ def parse_hostfile(path: str | Path) -> list[EndpointSpec]:
 
 
 def endpoint_specs(endpoints: str | Path | Iterable[str | EndpointSpec]) -> list[EndpointSpec]:
-    """A hostfile path, or a list of endpoints (strings in the hostfile's forms, or specs)."""
+    """A hostfile path, or a list of endpoints (strings in the hostfile's forms, or specs). A
+    string that is a URL, or URLs joined by commas, is those endpoints, as vLLM's and OpenAI's
+    users write a server: `http://127.0.0.1:8000/v1` (no file of that name is looked for)."""
+    if isinstance(endpoints, str) and "://" in endpoints:
+        return endpoint_specs([e.strip() for e in endpoints.split(",") if e.strip()] or [endpoints])
     if isinstance(endpoints, (str, Path)):
         return parse_hostfile(endpoints)
     out = []

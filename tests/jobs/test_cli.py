@@ -122,6 +122,15 @@ def test_help_explains_formats_and_resuming(capsys):
     assert "custom_id" in text and "--column" in text and "resume" in text.lower() and "--dry-run" in text
 
 
+def test_version_answers(capsys):
+    """`batchprompt --version` said "the following arguments are required: command"."""
+    import batchprompt
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"batchprompt {batchprompt.__version__}"
+
+
 def _one_row_job(tmp_path: Path) -> tuple[Path, Path]:
     inp = tmp_path / "in.jsonl"
     inp.write_text('{"prompt": "hi"}\n')

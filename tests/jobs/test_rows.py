@@ -109,6 +109,9 @@ def test_missing_and_unknown_inputs(tmp_path):
         read_input(str(tmp_path / "nope.jsonl"))
     with pytest.raises(InputError, match="unknown input format '.txt'"):
         read_input(str(tmp_path / "x.txt"))
+    (tmp_path / "batch.jsonl").mkdir()  # was "no such input file"
+    with pytest.raises(InputError, match="batch.jsonl: is a folder, not an input file"):
+        read_input(str(tmp_path / "batch.jsonl"))
 
 
 def chat(body_extra=None, **line):

@@ -40,3 +40,13 @@ def test_lists_and_duplicates():
         endpoint_specs(["127.0.0.1:8000", "http://127.0.0.1:8000/v1"])
     with pytest.raises(HostfileError, match="cannot read the hostfile"):
         endpoint_specs("/nonexistent/hosts")
+
+
+def test_a_url_or_urls_given_for_the_hostfile_are_the_endpoints():
+    """`--endpoints http://127.0.0.1:8000/v1`, as a vLLM user writes a server, was read as a
+    file name ("cannot read the hostfile http:/127.0.0.1:8000/v1")."""
+    assert [s.url for s in endpoint_specs("http://127.0.0.1:8000/v1")] == ["http://127.0.0.1:8000"]
+    assert [s.url for s in endpoint_specs("http://127.0.0.1:8000/v1, https://llm.example.org")] == [
+        "http://127.0.0.1:8000", "https://llm.example.org"]
+    with pytest.raises(HostfileError, match="not an http"):
+        endpoint_specs("ftp://127.0.0.1:8000")
