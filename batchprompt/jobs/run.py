@@ -357,6 +357,8 @@ class JobRun:
             raise InputError("--format table applies to CSV and Parquet input; JSONL input gives OpenAI lines")
         if opts.format not in ("openai", "table"):
             raise InputError(f"--format must be 'openai' or 'table', got {opts.format!r}")
+        if opts.format == "table":
+            table_output_format(opts.output, table.format)  # a .jsonl output is refused here
         errors_path = opts.errors or default_errors_path(opts.output)
         fp = fingerprint(table.raw, opts)
         journal_path = opts.journal or (cache_dir() / "jobs" / f"{fp[:16]}.sqlite" if opts.output == "-"
@@ -623,17 +625,33 @@ class JobRun:
         n, out = table.table.num_rows, table.table
         for name, values in cols.items():
             out = out.append_column(name, pa.array([values.get(i) for i in range(1, n + 1)], pa.string()))
-        if table.format == "parquet":
+        if table_output_format(self.opts.output, table.format) == "parquet":
             import pyarrow.parquet as pq
             write = lambda f: pq.write_table(out, f)  # noqa: E731
         else:
             import pyarrow.csv as pacsv
-            write = lambda f: pacsv.write_csv(out, f)  # noqa: E731
+            options = pacsv.WriteOptions(delimiter="\t" if self.opts.output.lower().endswith(".tsv") else ",")
+            write = lambda f: pacsv.write_csv(out, f, options)  # noqa: E731
         if self.opts.output == "-":
             write(sys.stdout.buffer)
             sys.stdout.buffer.flush()
         else:
             write_atomic(self.opts.output, write)
+
+
+def table_output_format(output: str, input_format: str) -> str:
+    """What --format table writes: the format the output's name says (.parquet; .csv or .tsv),
+    else the input's (stdout, another name). It wrote the input's whatever the name: Parquet
+    bytes in out.csv, CSV text in out.parquet."""
+    name = output.lower()
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith((".csv", ".tsv")):
+        return "csv"
+    if name.endswith(".jsonl"):
+        raise InputError(f"{output}: --format table writes a table: name the output .csv or .parquet "
+                         f"(or leave out --format table for OpenAI's JSONL)")
+    return input_format
 
 
 def _answer(line: dict) -> tuple[str, str]:

@@ -317,6 +317,14 @@ def test_csv_and_parquet_tables(tmp_path):
     assert main(["run", str(csv_in), "-o", str(tmp_path / "o.jsonl"), "--column", "text",
                  "--max-tokens", "3", "--no-progress"]) == 1
     assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 1
+    # The table is written in the format the output's name says (Parquet bytes went to out.csv)
+    args = ["--column", "text", "--format", "table", "--max-tokens", "2", "--no-progress"]
+    assert main(["run", str(tmp_path / "in.parquet"), "-o", str(tmp_path / "t.csv"), *args]) == 0
+    assert (tmp_path / "t.csv").read_text().splitlines()[0] == '"label","text","result","finish_reason","error"'
+    assert main(["run", str(csv_in), "-o", str(tmp_path / "t.parquet"), *args]) == 1  # its empty row fails
+    assert pq.read_table(tmp_path / "t.parquet").column_names == ["id", "text", "result", "finish_reason", "error"]
+    assert main(["run", str(csv_in), "-o", str(tmp_path / "t.jsonl"), *args]) == 2  # refused before any work
+    assert not (tmp_path / "t.jsonl").exists()
 
 
 @pytest.mark.slow
