@@ -106,16 +106,22 @@ class EndpointPool(SwarmMethods):
 
         deadline = time.monotonic() + self.give_up_after
 
+        permanent: set[str] = set()  # endpoints whose answer will not change by waiting
+
         def ask(spec: EndpointSpec):
             try:  # a server that takes connections but never answers waits no longer than give_up_after
                 wait = max(0.5, min(self.timeout, 10.0, deadline - time.monotonic()))
                 r = httpx.get(spec.url + "/v1/models", headers=headers, timeout=wait)
             except httpx.HTTPError as e:
+                if "SSL" in str(e) or "ssl" in type(e.__context__).__module__:
+                    permanent.add(spec.url)  # https to a plain-HTTP server, a certificate refused
                 return spec, None, f"{type(e).__name__}: {e}"
             if r.status_code in (401, 403):
                 raise PoolError(f"{spec.url} refused the API key (HTTP {r.status_code}): pass api_key= (or --api-key) "
                                 f"with the key the servers were started with")
             if r.status_code != 200:
+                if 400 <= r.status_code < 500 and r.status_code not in (408, 429):
+                    permanent.add(spec.url)  # no such route: another path or server, not one still loading
                 return spec, None, f"GET /v1/models answered HTTP {r.status_code}: {r.text[:200]}"
             try:
                 return spec, r.json(), None
@@ -132,6 +138,11 @@ class EndpointPool(SwarmMethods):
             up = [(spec, data) for spec, data, _ in answers if data is not None]
             if up:
                 break
+            if set(down) <= permanent:
+                detail = "; ".join(f"{u}: {w}" for u, w in down.items())
+                raise PoolError(f"none of the {len(self.specs)} endpoints can serve, and waiting will not change "
+                                f"that ({detail}); check the URLs: the server's base URL (http://host:port/v1), "
+                                f"and http, not https, for a server without TLS")
             left = deadline - time.monotonic()
             if left <= 0:
                 detail = "; ".join(f"{u}: {w}" for u, w in down.items())

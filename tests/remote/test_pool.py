@@ -133,6 +133,35 @@ def test_an_endpoint_that_takes_connections_but_never_answers_waits_no_longer_th
         assert time.monotonic() - t0 < 8
 
 
+@pytest.mark.parametrize("fault", ["404", "tls"])
+def test_an_endpoint_that_cannot_serve_is_an_error_at_once(fault):
+    """A base URL with the wrong path (the server answers 404) or https to a plain-HTTP server
+    waited all of give_up_after (120 s by default), then said "start the servers"."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class NotFound(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        scheme = "http" if fault == "404" else "https"
+        t0 = time.monotonic()
+        with pytest.raises(PoolError, match="waiting will not change that") as e:
+            bp.EndpointPool([f"{scheme}://127.0.0.1:{server.server_address[1]}/v2"], give_up_after=30)
+        assert time.monotonic() - t0 < 20
+        assert ("HTTP 404" if fault == "404" else "SSL") in str(e.value), e.value
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_pool_started_before_its_server_answers_waits_for_it(proxy):
     """Servers still loading when the pool starts (started together): the pool waits up to
     give_up_after for one to answer. It failed at once, though work waits that long."""
