@@ -140,7 +140,18 @@ class Batch:
 
     def _handler(self, p: Prepared) -> Callable[[RequestOutput], None]:
         asked_stop = bool(p.params.stop or p.params.stop_token_ids)
-        return lambda out: self._deliver(to_result(p.index, out, p.spec, asked_stop))
+
+        def handle(out: RequestOutput) -> None:
+            try:
+                result = to_result(p.index, out, p.spec, asked_stop)
+            except Exception as e:  # noqa: BLE001  (a defect reading one output fails that item alone)
+                # Answered here, not by the backend's second call with an error output: a
+                # conversion that fails on every output left its item unanswered, and the
+                # batch's waiters waited for ever.
+                log.exception("a result could not be handled")
+                result = Result(index=p.index, error=f"the result could not be handled: {type(e).__name__}: {e}")
+            self._deliver(result)
+        return handle
 
     def _token_handler(self, index: int) -> Callable[[list[int], bool], None]:
         def handle(ids: list[int], last: bool) -> None:

@@ -39,16 +39,28 @@ def test_a_prompt_the_engine_refuses_to_queue_fails_alone(lm, engine32, monkeypa
 
 
 def test_a_result_handler_that_raises_still_answers_its_item(lm, monkeypatch, messages):
-    def to_result(index, out, spec=None):
+    def to_result(index, out, *args):
         if index == 1 and out.error is None:
             raise ValueError("a bug while reading the output")
-        return real(index, out, spec)
+        return real(index, out, *args)
 
     real = batch_module.to_result
     monkeypatch.setattr(batch_module, "to_result", to_result)
     results = lm.create_batch(messages[:3]).wait(timeout=60)
     assert [r.ok for r in results] == [True, False, True]
     assert results[1].error == "the result could not be handled: ValueError: a bug while reading the output"
+
+
+def test_a_result_that_cannot_be_read_at_all_still_answers_every_item(lm, monkeypatch, messages):
+    """Reading an output failed also on the error output the backend then hands over (a
+    signature changed under a wrapper, say): no item was answered, and wait() never ended."""
+    def to_result(*args):
+        raise TypeError("to_result() takes from 2 to 3 positional arguments but 4 were given")
+
+    monkeypatch.setattr(batch_module, "to_result", to_result)
+    results = lm.create_batch(messages[:3]).wait(timeout=60)
+    assert [r.error for r in results] == ["the result could not be handled: TypeError: to_result() takes from 2 "
+                                          "to 3 positional arguments but 4 were given"] * 3
 
 
 def test_when_the_engine_thread_dies_every_waiter_gets_the_error_and_the_next_call_a_fresh_engine(
