@@ -25,6 +25,10 @@ class JournalMismatch(Exception):
     """The journal was started for a different input or different options."""
 
 
+def _settings_json(settings: dict[str, object]) -> str:
+    return json.dumps(settings, sort_keys=True, default=str)
+
+
 class Journal:
     def __init__(self, path: str | Path, fingerprint: str, restart: bool = False,
                  commit_every: int = 64, commit_seconds: float = 0.5, job_id: str | None = None,
@@ -64,7 +68,7 @@ class Journal:
                 self.db.execute("DELETE FROM meta")
         self.set("fingerprint", fingerprint)
         if settings is not None:
-            self.set("settings", json.dumps(settings, sort_keys=True, default=str))
+            self.set("settings", _settings_json(settings))
         #: This job's own id (kept across resumes; new with restart): it scopes the ids of its
         #: lines. A caller with an id of its own (the server: the batch's) gives it.
         self.job_id = job_id or self.get("job_id") or secrets.token_hex(8)
@@ -87,7 +91,7 @@ class Journal:
             before = None
         if not isinstance(before, dict) or settings is None:
             return ""
-        now = json.loads(json.dumps(settings, sort_keys=True, default=str))
+        now = json.loads(_settings_json(settings))
         return ", ".join(f"{k} ({json.dumps(before.get(k))} → {json.dumps(now.get(k))})"
                          for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k))
 

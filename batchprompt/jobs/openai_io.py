@@ -151,7 +151,8 @@ def output_line(row: Row, body: dict[str, Any], job: str = "") -> dict[str, Any]
 #: with `error` alone and `response` null.
 NOT_HTTP = frozenset({"batch_expired", "batch_cancelled"})
 #: The HTTP status the endpoint answers an error code with, where it is not 400.
-STATUS = {"engine_error": 500, "request_failed": 500, "internal_error": 500, "not_run": 503, "model_not_found": 404, "invalid_type": 422}
+STATUS = {"engine_error": 500, "request_failed": 500, "internal_error": 500, "not_run": 503, "model_not_found": 404,
+          "invalid_type": 422}
 #: OpenAI's error types: "invalid_request_error" for every 4xx but these (its SDK picks the
 #: exception class from the status, not the type).
 TYPES = {429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}

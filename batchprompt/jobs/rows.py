@@ -191,7 +191,8 @@ def _read_table(raw: bytes, fmt: str, path: str, column: str | None = None):
             # with one bad byte into binary); _replace_invalid_utf8 repairs them. pyarrow skips a BOM.
             # The prompt column is text as written: a column of numbers ("42", "007") is prompts too.
             types = {column: pa.string()} if column else {}
-            return pacsv.read_csv(pa.BufferReader(raw), read_options=pacsv.ReadOptions(block_size=block_size, use_threads=False),
+            return pacsv.read_csv(pa.BufferReader(raw),
+                                  read_options=pacsv.ReadOptions(block_size=block_size, use_threads=False),
                                   parse_options=pacsv.ParseOptions(delimiter=delimiter),
                                   convert_options=pacsv.ConvertOptions(strings_can_be_null=False, check_utf8=False,
                                                                        column_types=types))

@@ -9,6 +9,7 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -120,19 +121,16 @@ def default_errors_path(output: str) -> str | None:
     return None if output == "-" else output + ".errors.jsonl"
 
 
-def fingerprint(raw: bytes, opts: JobOptions) -> str:
+def fingerprint(raw: bytes, opts: JobOptions) -> tuple[str, dict[str, object]]:
+    """The job's fingerprint (its input and the options that change its answers), and the same
+    by the names a user knows, kept in the journal so that a mismatch names what changed."""
+    settings = [("--model", _model_named(opts.model)), ("--system", opts.system), ("--max-tokens", opts.max_tokens),
+                ("--temperature", opts.temperature), ("--seed", opts.seed), ("--column", opts.column),
+                ("--format", opts.format), ("the structured-output options", opts.structured)]
     h = hashlib.sha256(raw)
-    h.update(json.dumps([_model_named(opts.model), opts.system, opts.max_tokens, opts.temperature, opts.seed,
-                         opts.column, opts.format, opts.structured], sort_keys=True).encode())
-    return h.hexdigest()
-
-
-def job_settings(raw: bytes, opts: JobOptions) -> dict[str, object]:
-    """What the fingerprint is made of, by the names a user knows (a mismatch names those that changed)."""
-    return {"the input file (sha256)": hashlib.sha256(raw).hexdigest()[:16], "--model": _model_named(opts.model),
-            "--system": opts.system, "--max-tokens": opts.max_tokens, "--temperature": opts.temperature,
-            "--seed": opts.seed, "--column": opts.column, "--format": opts.format,
-            "the structured-output options": opts.structured}
+    named = {"the input file (sha256)": h.hexdigest()[:16], **dict(settings)}
+    h.update(json.dumps([value for _, value in settings], sort_keys=True).encode())
+    return h.hexdigest(), named
 
 
 def _model_named(model: str | None) -> str | None:
@@ -360,7 +358,7 @@ class JobRun:
         if opts.format == "table":
             table_output_format(opts.output, table.format)  # a .jsonl output is refused here
         errors_path = opts.errors or default_errors_path(opts.output)
-        fp = fingerprint(table.raw, opts)
+        fp, settings = fingerprint(table.raw, opts)
         journal_path = opts.journal or (cache_dir() / "jobs" / f"{fp[:16]}.sqlite" if opts.output == "-"
                                         else opts.output + ".journal")
         check_distinct({"input": opts.input, "output (-o)": opts.output, "errors file (--errors)": errors_path,
@@ -382,7 +380,7 @@ class JobRun:
             return self.dry_run(table)
         with JobLock(journal_path):  # a second run of this job stops here, naming this one
             fresh = not Path(journal_path).exists()
-            journal = Journal(journal_path, fp, restart=opts.restart, settings=job_settings(table.raw, opts))
+            journal = Journal(journal_path, fp, restart=opts.restart, settings=settings)
             unused = False
             try:
                 return self._run(table, journal, model_name, errors_path)
@@ -715,13 +713,7 @@ def _the_rows_fault(e: Exception) -> bool:
     except ImportError:  # pragma: no cover (transformers needs jinja2 for chat templates)
         return False
     return isinstance(e, TemplateError) or any(
-        tb.tb_frame.f_code.co_filename.startswith("<template>") for tb in _frames(e.__traceback__))
-
-
-def _frames(tb):
-    while tb is not None:
-        yield tb
-        tb = tb.tb_next
+        frame.f_code.co_filename.startswith("<template>") for frame, _ in traceback.walk_tb(e.__traceback__))
 
 
 def run_job(opts: JobOptions, out=None) -> JobSummary:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import ssl
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -113,7 +114,7 @@ class EndpointPool(SwarmMethods):
                 wait = max(0.5, min(self.timeout, 10.0, deadline - time.monotonic()))
                 r = httpx.get(spec.url + "/v1/models", headers=headers, timeout=wait)
             except httpx.HTTPError as e:
-                if "SSL" in str(e) or "ssl" in type(e.__context__).__module__:
+                if _is_tls_error(e):
                     permanent.add(spec.url)  # https to a plain-HTTP server, a certificate refused
                 return spec, None, f"{type(e).__name__}: {e}"
             if r.status_code in (401, 403):
@@ -259,3 +260,12 @@ class EndpointPool(SwarmMethods):
 
     def __repr__(self) -> str:
         return f"EndpointPool({self.model!r}, {len(self.specs)} endpoints)"
+
+
+def _is_tls_error(e: BaseException | None) -> bool:
+    """Whether an error comes from TLS (ssl.SSLError somewhere in its chain)."""
+    while e is not None:
+        if isinstance(e, ssl.SSLError):
+            return True
+        e = e.__cause__ or e.__context__
+    return False

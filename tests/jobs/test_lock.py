@@ -43,7 +43,7 @@ def test_a_run_or_a_restart_beside_a_running_one_exits_2_and_leaves_its_journal(
     write_sms_batch(inp, 3)
     journal = tmp_path / "out.jsonl.journal"
     with JobLock(journal):  # as a run does, for its whole length
-        j = Journal(journal, fingerprint(inp.read_bytes(), JobOptions(str(inp), str(out))))
+        j = Journal(journal, fingerprint(inp.read_bytes(), JobOptions(str(inp), str(out)))[0])
         j.record(1, "sms-0", True, {"kept": True})
         j.close()
         for extra in ([], ["--restart"]):
