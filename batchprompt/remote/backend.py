@@ -246,6 +246,8 @@ class RemoteBackend:
             self._answer_all(self.stop_reason)
             try:
                 self.loop.run_until_complete(self._close_clients())
+                self.loop.run_until_complete(self.loop.shutdown_asyncgens())  # streams' readers left early
+                self.loop.run_until_complete(asyncio.sleep(0))
             except BaseException:  # noqa: BLE001
                 pass
             self.loop.close()
@@ -378,7 +380,10 @@ class RemoteBackend:
             if not late:
                 return
             old = min(late, key=lambda sb: sb.started)
-            twin = SubBatch(old.works, old.source, old.params, old.tokens)
+            rest = [w for w in old.works if not w.answered]  # what its stream has not answered yet
+            if not rest:
+                continue
+            twin = SubBatch(rest, old.source, old.params, sum(w.tokens for w in rest))
             old.twin, twin.twin = twin, old
             self.hedges += 1
             self._launch(twin, e)
@@ -432,14 +437,35 @@ class RemoteBackend:
             self._kick()
 
     async def _request(self, sb: SubBatch, e: Endpoint) -> int:
-        """Send the sub-batch and answer its works (or hand the failure to _retry); the tokens
-        the endpoint computed, for its speed."""
+        """Send the sub-batch and answer its works, each as its answer arrives (a stream), or
+        hand the failure of those not answered to _retry; the tokens the endpoint computed, for
+        its speed."""
         text = e.accepts_token_ids is False
+        stream = wire.CompletionStream(len(sb.works), sb.params.n, e.url)
+
+        def arrived(chunk: Any) -> None:
+            for prompt, samples in stream.feed(chunk):
+                self._answer_samples(sb, e, sb.works[prompt], samples)
+
         try:
-            data, text = await self._post(sb, e, text)
-            per_prompt = wire.parse_completions(data, len(sb.works), sb.params.n, e.url)
+            answer, text = await self._post(sb, e, text, arrived)
+            if isinstance(answer, dict):  # the server answered in one body
+                usage = answer
+                for w, samples in zip(sb.works, wire.parse_completions(answer, len(sb.works), sb.params.n, e.url)):
+                    self._answer_samples(sb, e, w, samples)
+            elif stream.unfinished():
+                raise EndpointError("connection" if answer is False else "server",
+                                    f"{e.url}/v1/completions: the stream ended with {stream.unfinished()} of "
+                                    f"{len(sb.works)} prompts unanswered"
+                                    + ("" if answer is False else " (after its [DONE])"), 200)
+            else:
+                usage = {"usage": stream.usage}
         except EndpointError as err:
-            self._retry(sb, e, err)
+            rest = [w for w in sb.works if not w.answered]
+            if rest:
+                self._retry(dataclasses.replace(sb, works=rest), e, err)
+            else:  # every prompt was answered (a hedge's twin, or before the stream broke)
+                self._note_fault(e, err)
             return 0
         took = time.monotonic() - sb.started
         self._request_s = took if self._request_s is None else 0.8 * self._request_s + 0.2 * took
@@ -447,12 +473,11 @@ class RemoteBackend:
         if twin is not None and twin.task is not None and not twin.task.done():
             twin.superseded = True  # this answer won: the other request is cancelled
             twin.task.cancel()
-        prompt_tokens, cached, completion = wire.usage_of(data)
+        prompt_tokens, cached, completion = wire.usage_of(usage)
         e.on_success()
         if not text:
             e.accepts_token_ids = True
         c = e.counters
-        c.prompts += len(sb.works)
         c.prompt_tokens += prompt_tokens
         c.cached_tokens += cached
         c.completion_tokens += completion
@@ -462,35 +487,59 @@ class RemoteBackend:
         s.prefill_tokens += prompt_tokens - cached
         s.decode_tokens += completion
         s.steps += 1
-        for w, samples in zip(sb.works, per_prompt):
-            one_cached = cached if len(sb.works) == 1 else 0  # a list request reports its total only
-            try:
-                out = wire.to_output(w.item.request_id or "", w.item.token_ids, samples, sb.params, self._tokenizer,
-                                     one_cached)
-            except Exception as err:  # noqa: BLE001  (one answer that cannot be read fails alone)
-                out = RequestOutput(w.item.request_id or "", w.item.token_ids, [], "", "error",
-                                    error=f"the answer from {e.url} cannot be read: {type(err).__name__}: {err}")
-            self._answer(w, out)
         return prompt_tokens + completion or sb.tokens
 
-    async def _post(self, sb: SubBatch, e: Endpoint, text: bool) -> tuple[dict, bool]:
-        """POST the sub-batch's prompts as token ids (as text where the endpoint refuses ids);
-        (the answer, whether it went as text). While it is not known whether the endpoint takes
-        ids, a 400/422 is tried once more as text: if that is answered, it refuses ids."""
+    def _answer_samples(self, sb: SubBatch, e: Endpoint, w: Work, samples: list) -> None:
+        if w.answered:  # by a hedge's twin, first
+            return
+        one_cached = 0  # a list request reports its total only
+        try:
+            out = wire.to_output(w.item.request_id or "", w.item.token_ids, samples, sb.params, self._tokenizer,
+                                 one_cached)
+        except Exception as err:  # noqa: BLE001  (one answer that cannot be read fails alone)
+            out = RequestOutput(w.item.request_id or "", w.item.token_ids, [], "", "error",
+                                error=f"the answer from {e.url} cannot be read: {type(err).__name__}: {err}")
+        if out.error is None:
+            e.counters.prompts += 1  # as each is answered: the request's usage comes after its last prompt
+        self._answer(w, out)
+        twin = sb.twin
+        if (twin is not None and twin.task is not None and not twin.task.done()
+                and all(x.answered for x in twin.works)):
+            twin.superseded = True  # everything the other request holds is answered: it is cancelled
+            twin.task.cancel()
+
+    async def _post(self, sb: SubBatch, e: Endpoint, text: bool, arrived: Callable[[Any], None]) -> tuple[Any, bool]:
+        """POST the sub-batch's prompts as token ids (as text where the endpoint refuses ids),
+        asked as a stream whose chunks go to `arrived`; (the answer: a whole body, or whether
+        the stream ended with [DONE]; whether it went as text). While it is not known whether
+        the endpoint takes ids, a 400/422 is tried once more as text: if that is answered, it
+        refuses ids."""
+        streamed = self.pool.use_stream and wire.streams(sb.params)
+
         def body(as_text: bool) -> dict:
             prompts = [self._as_text(w.item.token_ids) if as_text else w.item.token_ids for w in sb.works]
-            return wire.completion_body(self.model, prompts, sb.params, self.pool.structured)
+            return wire.completion_body(self.model, prompts, sb.params, self.pool.structured, stream=streamed)
+
+        async def send(as_text: bool) -> Any:
+            def chunk(data: Any) -> None:
+                if not as_text and e.accepts_token_ids is None:
+                    e.accepts_token_ids = True  # it streams an answer to token-id prompts
+                arrived(data)
+
+            if streamed:
+                return await e.post_stream("/v1/completions", body(as_text), chunk)
+            return await e.post_json("/v1/completions", body(as_text))
 
         try:
-            return await e.post_json("/v1/completions", body(text)), text
+            return await send(text), text
         except EndpointError as err:
             if text or e.accepts_token_ids is not None or err.kind != "request" or err.status not in (400, 422):
                 raise
-            data = await e.post_json("/v1/completions", body(True))  # its failure is the prompts' own
+            answer = await send(True)  # its failure is the prompts' own
             e.accepts_token_ids = False
             log.warning("%s refuses token-id prompts (%s): it gets text from now on (the same tokens, decoded)",
                         e.url, err.message)
-            return data, True
+            return answer, True
 
     def _as_text(self, ids: list[int]) -> str:
         return self._tokenizer.hf.decode(ids, skip_special_tokens=False)
@@ -606,6 +655,7 @@ class RemoteBackend:
         if w.answered:
             return
         w.answered = True
+        w.source.in_engine.pop(w.item.request_id or "", None)
         if out.finish_reason != "abort":
             self._stats.finished += 1
             self._stats.failed += out.error is not None

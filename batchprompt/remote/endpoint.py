@@ -6,10 +6,12 @@ how many requests it may hold at once (adaptive: grows by one after each success
 sizing its sub-batches), and its counters. Everything here runs on the pool's loop thread."""
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import time
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import httpx
 
@@ -23,7 +25,7 @@ RATE_HORIZON_S = 30.0
 @dataclass
 class EndpointCounters:
     requests: int = 0  # HTTP requests sent (answered or not)
-    prompts: int = 0  # prompts in requests that were answered
+    prompts: int = 0  # prompts it answered
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -94,6 +96,62 @@ class Endpoint:
                 raise self._fail(EndpointError("server", f"{self.url}{path}: the answer is not JSON: {r.text[:200]!r}",
                                                200))
         raise self._fail(_http_error(self.url + path, r))
+
+    async def post_stream(self, path: str, body: dict, on_event: Callable[[Any], None],
+                          timeout: float | None = None) -> dict | bool:
+        """POST `body` asking for server-sent events; `on_event(chunk)` for each `data:` chunk as
+        it arrives (it may raise EndpointError, which ends the request: its connection closes and
+        the server aborts what is left). True once `data: [DONE]` came, False when the stream
+        ended without it; a server that answers in one JSON body (it does not stream) returns
+        that body."""
+        self.counters.requests += 1
+        t = httpx.Timeout(timeout or self.timeout, connect=min(self.connect_timeout, timeout or self.timeout))
+        where = self.url + path
+        try:
+            async with self.client.stream("POST", path, json=body, timeout=t) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    raise self._fail(_http_error(where, r))
+                if "text/event-stream" in r.headers.get("content-type", ""):
+                    lines = r.aiter_lines()
+                else:  # one body: JSON, or events behind a proxy that buffers and relabels them
+                    raw = await r.aread()
+                    if not raw.lstrip().startswith((b"data:", b":")):
+                        try:
+                            return json.loads(raw)
+                        except ValueError:
+                            raise self._fail(EndpointError("server", f"{where}: the answer is not JSON: {raw[:200]!r}",
+                                                           200)) from None
+                    lines = _lines(raw.decode("utf-8", "replace").splitlines())
+                limit = timeout or self.timeout
+                last, done = time.monotonic(), False
+                async with contextlib.aclosing(lines):  # closed here, also when a chunk raises
+                    async for line in lines:
+                        if not line.startswith("data:"):  # blank lines, comments (keep-alives), event names
+                            if time.monotonic() - last > limit:  # alive, but nothing comes: as a timeout
+                                raise self._fail(EndpointError("timeout", f"{where}: no new chunk within {limit:g}s "
+                                                                          f"(only keep-alives)"))
+                            continue
+                        last = time.monotonic()
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            done = True  # read on to the end of the body: the connection is then reused
+                            continue
+                        try:
+                            chunk = json.loads(data)
+                        except ValueError:
+                            raise self._fail(EndpointError("server", f"{where}: a stream chunk is not JSON: "
+                                                                     f"{data[:200]!r}", 200)) from None
+                        try:
+                            on_event(chunk)
+                        except EndpointError as e:
+                            raise self._fail(e) from None
+        except httpx.TimeoutException as e:
+            raise self._fail(EndpointError("timeout", f"{where}: no answer within "
+                                           f"{timeout or self.timeout:g}s ({type(e).__name__})"))
+        except httpx.HTTPError as e:  # refused, reset, closed mid-answer, DNS
+            raise self._fail(EndpointError("connection", f"{where}: {type(e).__name__}: {e or 'connection lost'}"))
+        return done
 
     def _fail(self, e: EndpointError) -> EndpointError:
         self.counters.errors += 1
@@ -214,3 +272,8 @@ def _retry_after(r: httpx.Response) -> float | None:
         return min(max(float(value), 0.0), 60.0) if value is not None else None
     except ValueError:
         return None
+
+
+async def _lines(lines: list[str]):
+    for line in lines:
+        yield line

@@ -40,9 +40,13 @@ class EndpointPool(SwarmMethods):
     endpoints: a hostfile path, or a list of 'host:port' / URLs (see hostfile.py).
     model: the served model's name (default: the one model the endpoints serve).
     api_key: sent as `Authorization: Bearer KEY` to every endpoint.
-    timeout: seconds one HTTP request may take (a sub-batch), before it is retried elsewhere.
+    timeout: seconds one HTTP request may go without an answer (a streamed sub-batch: without a
+        new chunk), before it is retried elsewhere.
     use_batch: True sends sub-batches (a list of prompts per /v1/completions request); False
         sends each prompt alone (the swarm methods then use /v1/chat/completions, as aurora_swarm).
+    stream: sub-batches are asked as server-sent events, so each prompt is answered (and a job
+        journals it) as soon as it finishes, not when its request's slowest prompt does; a server
+        that answers in one JSON body anyway is read as such. False asks for one body.
     tokenizer: the model's tokenizer files, to render prompts client-side (a local model, a hub
         id, 'smollm2-135m'); default: the model's name.
     max_model_len: the context length, where neither the endpoints (vLLM's max_model_len) nor the
@@ -67,7 +71,8 @@ class EndpointPool(SwarmMethods):
                  min_batch_tokens: int = 1024,
                  batch_prompts: int = 256, max_in_flight: int = 4, initial_in_flight: int = 2,
                  max_retries: int = 4, backoff_s: float = 0.5, give_up_after: float = 120.0,
-                 connect_timeout: float = 5.0, structured: str = "structured_outputs", max_tokens: int = 512):
+                 connect_timeout: float = 5.0, structured: str = "structured_outputs", max_tokens: int = 512,
+                 stream: bool = True):
         self.specs = endpoint_specs(endpoints)
         for name, value, low in (("timeout", timeout, 0), ("connect_timeout", connect_timeout, 0),
                                  ("backoff_s", backoff_s, 0), ("give_up_after", give_up_after, 0)):
@@ -85,6 +90,7 @@ class EndpointPool(SwarmMethods):
             raise ValueError(f"structured must be one of {', '.join(STRUCTURED_STYLES)}, got {structured!r}")
         self.api_key, self.timeout, self.connect_timeout = api_key, float(timeout), float(connect_timeout)
         self.use_batch = bool(use_batch)
+        self.use_stream = bool(stream)
         self.batch_tokens, self.batch_prompts = batch_tokens, batch_prompts
         self.min_batch_tokens = min(min_batch_tokens, batch_tokens)
         self.max_in_flight, self.initial_in_flight = max_in_flight, initial_in_flight

@@ -37,8 +37,9 @@ def unsupported(params: SamplingParams) -> str | None:
 
 
 def completion_body(model: str, prompts: Sequence[Sequence[int] | str], params: SamplingParams,
-                    structured: str = "structured_outputs") -> dict[str, Any]:
-    """One /v1/completions request for `prompts`, which share `params`."""
+                    structured: str = "structured_outputs", stream: bool = False) -> dict[str, Any]:
+    """One /v1/completions request for `prompts`, which share `params`; `stream`: asked as
+    server-sent events (see `streams`), with the usage in a last chunk."""
     p = params
     body: dict[str, Any] = {"model": model, "prompt": [list(x) if not isinstance(x, str) else x for x in prompts],
                             "max_tokens": p.max_tokens, "temperature": p.temperature}
@@ -72,7 +73,17 @@ def completion_body(model: str, prompts: Sequence[Sequence[int] | str], params: 
         body["return_tokens_as_token_ids"] = True  # vLLM and ours: "token_id:123"; others ignore it
     if p.grammar is not None:
         body.update(structured_fields(p.grammar, structured))
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
     return body
+
+
+def streams(params: SamplingParams) -> bool:
+    """Whether a sub-batch with these parameters is asked as a stream: always, so that each
+    prompt is answered (and a job journals it) as soon as it finishes, not when the slowest
+    prompt of its request does; except with best_of > n, which vLLM and ours refuse to stream."""
+    return not (params.best_of is not None and params.best_of > params.n)
 
 
 def structured_fields(grammar, style: str = "structured_outputs") -> dict[str, Any]:
@@ -114,6 +125,90 @@ def parse_completions(data: Any, n_prompts: int, n: int, where: str) -> list[lis
     except (AttributeError, TypeError, ValueError, KeyError) as e:
         raise EndpointError("server", f"{where}: malformed choice ({type(e).__name__}: {e})", 200) from None
     return [samples[i * n:(i + 1) * n] for i in range(n_prompts)]
+
+
+class CompletionStream:
+    """A streamed /v1/completions answer, read chunk by chunk: each choice's pieces (text,
+    token ids, log-probs) are joined until its finish_reason comes; `feed` returns the prompts
+    whose n choices are then all complete, with their samples."""
+
+    def __init__(self, n_prompts: int, n: int, where: str):
+        self.n_prompts, self.n, self.where = n_prompts, n, where
+        self._choices: dict[int, dict[str, Any]] = {}
+        self._finished: dict[int, int] = {}  # prompt -> its choices finished
+        self.done = 0  # prompts complete
+        self.usage: dict | None = None
+
+    def feed(self, chunk: Any) -> list[tuple[int, list[Sample]]]:
+        if not isinstance(chunk, dict):
+            raise EndpointError("server", f"{self.where}: a stream chunk is not a JSON object: {chunk!r:.200}", 200)
+        if chunk.get("error") is not None:
+            raise stream_error(chunk["error"], self.where)
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        choices = chunk.get("choices") or []
+        if not isinstance(choices, list):
+            raise EndpointError("server", f"{self.where}: a stream chunk's choices are not a list", 200)
+        complete = []
+        for c in choices:
+            index = c.get("index", 0) if isinstance(c, dict) else None
+            if not isinstance(index, int) or not 0 <= index < self.n_prompts * self.n:
+                raise EndpointError("server", f"{self.where}: a stream chunk has a choice of index {index!r} "
+                                              f"(expected 0 to {self.n_prompts * self.n - 1})", 200)
+            whole = self._choices.setdefault(index, {"text": "", "finish_reason": None})
+            if whole["finish_reason"] is not None:
+                continue  # a choice's pieces after its end (none expected): ignored
+            _join(whole, c)
+            if not c.get("finish_reason"):
+                continue
+            whole["finish_reason"] = c["finish_reason"]
+            prompt = index // self.n
+            self._finished[prompt] = self._finished.get(prompt, 0) + 1
+            if self._finished[prompt] == self.n:
+                self.done += 1
+                try:
+                    samples = [_sample(self._choices[prompt * self.n + k]) for k in range(self.n)]
+                except (AttributeError, TypeError, ValueError, KeyError) as e:
+                    raise EndpointError("server", f"{self.where}: malformed choice ({type(e).__name__}: {e})",
+                                        200) from None
+                complete.append((prompt, samples))
+        return complete
+
+    def unfinished(self) -> int:
+        return self.n_prompts - self.done
+
+
+def _join(whole: dict[str, Any], piece: dict) -> None:
+    """Add one chunk's piece of a choice to what came before it."""
+    text = piece.get("text")
+    if text is not None and not isinstance(text, str):
+        raise EndpointError("server", f"a stream chunk's text is a {type(text).__name__}", 200)
+    whole["text"] += text or ""
+    ids = piece.get("token_ids")
+    if isinstance(ids, list):
+        whole["token_ids"] = whole.get("token_ids", []) + ids
+    lp = piece.get("logprobs")
+    if isinstance(lp, dict):
+        have = whole.setdefault("logprobs", {"token_logprobs": [], "tokens": [], "top_logprobs": []})
+        for key in ("token_logprobs", "tokens", "top_logprobs"):
+            if isinstance(lp.get(key), list):
+                have[key] = have[key] + lp[key]
+
+
+def stream_error(err: Any, where: str) -> EndpointError:
+    """An error event inside a stream (vLLM's and ours: {"error": {...}}), by the status its
+    code or type names: a request's fault splits the sub-batch, an overload moves it."""
+    if not isinstance(err, dict):
+        return EndpointError("server", f"{where}: error in the stream: {err!r:.300}")
+    message = str(err.get("message") or err)
+    code, kind_name = err.get("code"), str(err.get("type") or "").lower()
+    status = code if isinstance(code, int) and not isinstance(code, bool) else None
+    if status in (429, 503) or code in ("shutting_down", "overloaded") or "unavailable" in kind_name \
+            or "rate_limit" in kind_name:
+        return EndpointError("overloaded", f"{where}: error in the stream: {message}")
+    if (status is not None and status >= 500) or "server" in kind_name or "internal" in kind_name:
+        return EndpointError("server", f"{where}: error in the stream: {message}")
+    return EndpointError("request", f"{where}: error in the stream: {message}")
 
 
 def usage_of(data: Any) -> tuple[int, int, int]:

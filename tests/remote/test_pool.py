@@ -61,6 +61,28 @@ def test_streaming_callbacks_progress_and_order(two_servers, reference):
         assert batch.progress.done == len(PROMPTS) and batch.progress.failed == 0
 
 
+SHORT_AND_LONG = ["Reply with just the word yes.", "What is 2+2? Answer with a number only.", "Say hello.",
+                  "Write a very long story about a dragon who learns to cook, with many chapters."]
+
+
+def test_each_prompt_is_answered_as_it_finishes_not_when_its_request_ends(two_servers):
+    """A sub-batch is asked as a stream: a prompt that ends early is answered while the
+    request's long prompt still runs (the answers came all at once, when the request ended, so
+    a job interrupted then lost them all)."""
+    with pool_of([two_servers[0].url], min_batch_tokens=4096) as pool:
+        lm = bp.LanguageModel.create(model=pool, max_tokens=200)
+        batch = lm.create_batch(SHORT_AND_LONG)
+        streamed = iter(batch)
+        index, first = next(streamed)
+        open_requests = pool.endpoint_stats()[0]["in_flight"]
+        rest = dict(streamed)
+        stats = pool.endpoint_stats()[0]
+    assert index != 3 and first.finish_reason == "stop" and first.error is None
+    assert open_requests == 1  # the request that holds the long prompt was still open
+    assert rest[3].finish_reason == "length" and rest[3].usage.completion_tokens == 200
+    assert stats["requests"] == 1 and stats["prompts"] == 4
+
+
 def test_equal_endpoints_get_their_whole_share_in_the_first_requests(two_servers):
     """Work within the budget, equal endpoints: each gets its share at once, in as many requests
     as it may have in flight (initial_in_flight), which its server batches together. A second

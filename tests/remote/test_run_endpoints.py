@@ -80,6 +80,33 @@ def test_run_on_endpoints_is_interrupted_and_resumed(two_servers, tmp_path):
     assert [e["error"]["line"] for e in errors] == [rows + 1]
 
 
+def test_ctrl_c_keeps_the_rows_a_request_finished_while_its_long_row_ran(two_servers, tmp_path):
+    """Rows are journaled as each finishes on the server: Ctrl-C while one long row of the
+    request still runs keeps the short ones (a request's rows were journaled only when the whole
+    request ended, so an interrupt lost them all)."""
+    from .test_pool import SHORT_AND_LONG
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    with open(inp, "w") as f:
+        for i, prompt in enumerate(SHORT_AND_LONG):
+            f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": {"messages": [{"role": "user", "content": prompt}], "max_tokens": 200}}) + "\n")
+    # the 4 rows (prompt + 200 tokens each) fit in one request: the pool sends at least 1,024 tokens
+    run = _run(str(inp), "-o", str(out), "--endpoints", two_servers[0].url)
+    journal = Path(str(out) + ".journal")
+    deadline = time.monotonic() + 300
+    while _journal_rows(journal) < 1:
+        assert run.poll() is None, run.communicate()
+        assert time.monotonic() < deadline, "no row journaled within 300s"
+        time.sleep(0.1)
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 130, err
+    with sqlite3.connect(f"file:{journal}?mode=ro", uri=True) as db:
+        kept = {row[0] for row in db.execute("SELECT custom_id FROM rows")}
+    assert kept and kept <= {"r0", "r1", "r2"}, kept  # short rows kept; the long one was still running
+
+
 def test_run_with_an_unserved_model_fails_before_any_work(two_servers, tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_input(inp, 2)

@@ -6,7 +6,8 @@ import pytest
 
 from batchprompt.engine import SamplingParams
 from batchprompt.remote import EndpointError
-from batchprompt.remote.wire import completion_body, parse_completions, structured_fields, to_output
+from batchprompt.remote.wire import (CompletionStream, completion_body, parse_completions, streams,
+                                     structured_fields, to_output)
 from batchprompt.structured import Grammar
 
 
@@ -62,3 +63,49 @@ def test_token_ids_from_the_server_or_encoded_again():
     assert to_output("r", [1], again[0], SamplingParams(), _Tok()).output_token_ids == [104, 105, 2]  # + EOS
     cut = parse_completions({"choices": [{"index": 0, "text": "hi", "finish_reason": "length"}]}, 1, 1, "x")
     assert to_output("r", [1], cut[0], SamplingParams(), _Tok()).output_token_ids == [104, 105]
+
+
+def test_a_stream_answers_each_prompt_when_its_choices_end():
+    """Chunks as vLLM and our server send them (choice index = prompt * n + sample): a prompt is
+    complete once its n choices have a finish_reason, its pieces (text, token ids, log-probs)
+    joined in order."""
+    s = CompletionStream(n_prompts=2, n=2, where="http://x")
+    assert s.feed({"choices": [{"index": 0, "text": "Hel", "token_ids": [1], "finish_reason": None},
+                               {"index": 2, "text": "a", "finish_reason": "stop", "token_ids": [9]}]}) == []
+    assert s.feed({"choices": [{"index": 0, "text": "lo", "token_ids": [2], "finish_reason": "length"}]}) == []
+    done = s.feed({"choices": [{"index": 1, "text": "Yo", "token_ids": [3, 4], "finish_reason": "stop",
+                                "logprobs": {"token_logprobs": [-0.5, -0.25], "tokens": ["Y", "o"]}}]})
+    assert [(p, [(x.text, x.finish_reason, x.token_ids) for x in samples]) for p, samples in done] == \
+        [(0, [("Hello", "length", [1, 2]), ("Yo", "stop", [3, 4])])]
+    assert done[0][1][1].logprobs == [-0.5, -0.25] and s.unfinished() == 1
+    assert s.feed({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 6}}) == []
+    assert [p for p, _ in s.feed({"choices": [{"index": 3, "text": "", "finish_reason": "stop"}]})] == [1]
+    assert s.unfinished() == 0 and s.usage == {"prompt_tokens": 5, "completion_tokens": 6}
+
+
+@pytest.mark.parametrize("error, kind", [
+    ({"message": "bad prompt", "type": "BadRequestError", "code": 400}, "request"),  # vLLM's
+    ({"message": "bad prompt", "type": "invalid_request_error", "param": None, "code": "context_length_exceeded"},
+     "request"),  # ours
+    ({"message": "shutting down", "type": "service_unavailable", "code": "shutting_down"}, "overloaded"),
+    ({"message": "boom", "type": "server_error", "code": None}, "server"),
+    ("a bare string", "server"),
+])
+def test_an_error_inside_a_stream_is_sorted_as_its_status_would_be(error, kind):
+    s = CompletionStream(n_prompts=1, n=1, where="http://x")
+    with pytest.raises(EndpointError) as e:
+        s.feed({"error": error})
+    assert e.value.kind == kind and e.value.status is None  # never taken for a refusal of token ids
+
+
+def test_a_chunk_with_a_choice_out_of_range_is_the_servers_fault():
+    s = CompletionStream(n_prompts=1, n=1, where="http://x")
+    with pytest.raises(EndpointError, match="index 5") as e:
+        s.feed({"choices": [{"index": 5, "text": "x", "finish_reason": "stop"}]})
+    assert e.value.kind == "server"
+
+
+def test_streaming_is_asked_except_where_servers_refuse_it():
+    body = completion_body("m", [[1]], SamplingParams(), stream=True)
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert streams(SamplingParams(n=2)) and not streams(SamplingParams(n=1, best_of=3))
