@@ -143,7 +143,7 @@ class Batch:
 
         def handle(out: RequestOutput) -> None:
             try:
-                result = to_result(p.index, out, p.spec, asked_stop)
+                result = to_result(p.index, out, p.spec, asked_stop, p.params.max_tokens)
             except Exception as e:  # noqa: BLE001  (a defect reading one output fails that item alone)
                 # Answered here, not by the backend's second call with an error output: a
                 # conversion that fails on every output left its item unanswered, and the

@@ -20,9 +20,10 @@ class Prepared:
     spec: OutputSpec | None = None  # structured output: checks and parses the result
 
 
-def to_result(index: int, out: RequestOutput, spec: OutputSpec | None = None, asked_stop: bool = False) -> Result:
+def to_result(index: int, out: RequestOutput, spec: OutputSpec | None = None, asked_stop: bool = False,
+              max_tokens: int | None = None) -> Result:
     """`asked_stop`: the request gave stop strings or stop token ids (which may end a structured
-    output before it is complete; see OutputSpec.finish)."""
+    output before it is complete; see OutputSpec.finish); `max_tokens`: what it allowed."""
     cancelled = out.finish_reason == "abort"
     result = Result(
         index=index, text=out.text,
@@ -32,7 +33,9 @@ def to_result(index: int, out: RequestOutput, spec: OutputSpec | None = None, as
         logprobs=out.logprobs, top_logprobs=out.top_logprobs, token_ids=out.output_token_ids,
         retryable=out.retryable,
     )
-    return spec.finish(result, out.choice_logprobs, out.grammar_complete, asked_stop) if spec is not None else result
+    if spec is None:
+        return result
+    return spec.finish(result, out.choice_logprobs, out.grammar_complete, asked_stop, max_tokens)
 
 
 def check_errors(results: list[Result], errors: str) -> list[Result]:

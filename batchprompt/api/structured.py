@@ -79,19 +79,28 @@ class OutputSpec:
             raise ValueError(f"choices: min_tokens ({params.min_tokens}) is more than the longest label "
                              f"({len(ids[longest])} tokens): an answer is one label; lower min_tokens or leave it out")
         if self.choice_mode == "score":
+            if params.logprobs:  # it gave logprobs=[] silently
+                raise ValueError("logprobs are not available with choice_mode='score': each label's probability "
+                                 "is in result.choice_probs (choice_mode='decode' gives the tokens' log-probs)")
             return replace(params, score_choices=ids, max_tokens=1, stop=(), min_tokens=0)
+        special = _special_ids(tokenizer)
+        for label, label_ids in zip(self.labels, ids):
+            if special.intersection(label_ids):  # decoding it ends the answer (or reads as nothing)
+                raise ValueError(f"choices: the label {label!r} holds a special token of the model, which decoding "
+                                 f"does not write as text: use choice_mode='score', or a label without it")
         # A label that is a prefix of another ends with EOS, within the longest label's length.
         return replace(params, grammar=Grammar.choices(self.labels, ids), max_tokens=len(ids[longest]))
 
     def finish(self, result: Result, choice_logprobs: list[float] | None = None, complete: bool = False,
-               asked_stop: bool = False) -> Result:
+               asked_stop: bool = False, max_tokens: int | None = None) -> Result:
         """Check and parse a finished result: a label with its probabilities, parsed JSON, or a
         clear error when the output was cut before it completed its grammar. `complete`: the
         engine found the output a whole match (max_tokens may cut one that could go on: "a+"
         after "aaaa" is a match, kept with finish_reason "length", as vLLM keeps it).
         `asked_stop`: the request gave stop strings or stop token ids; one that ends a JSON
         answer before it is whole leaves the text as the answer (finish_reason "stop", nothing
-        parsed), as vLLM answers it and as a stream of it reads."""
+        parsed), as vLLM answers it and as a stream of it reads. `max_tokens`: what the request
+        allowed; an output cut shorter than that was cut by the end of the context."""
         if result.error is not None:
             return result
         if self.labels and choice_logprobs is not None:
@@ -103,7 +112,7 @@ class OutputSpec:
             return replace(result, text=self.labels[best], choice_probs=probs)
         cut = result.finish_reason == "length" and not complete
         if cut and not (self.grammar is not None and self.grammar.is_json):
-            return self._cut(result)
+            return self._cut(result, max_tokens)
         if self.labels:
             return result
         if self.grammar.is_json:
@@ -113,17 +122,27 @@ class OutputSpec:
             except ValueError as e:  # json.JSONDecodeError and pydantic's ValidationError
                 # A remote server cannot say whether a cut output is complete: it is if it parses.
                 if cut:
-                    return self._cut(result)
+                    return self._cut(result, max_tokens)
                 if asked_stop and result.finish_reason == "stop" and not complete:
                     return result
                 return replace(result, error=f"the output does not parse as the schema asks: {e}")
             return replace(result, parsed=parsed)
         return result
 
-    def _cut(self, result: Result) -> Result:
+    def _cut(self, result: Result, max_tokens: int | None = None) -> Result:
         kind = "choices" if self.labels else self.grammar.kind
-        return replace(result, error=f"the output reached max_tokens ({result.usage.completion_tokens}) "
+        made = result.usage.completion_tokens
+        if max_tokens is not None and made < max_tokens:  # the context ended first: more max_tokens cannot help
+            return replace(result, error=f"the context ran out ({result.usage.prompt_tokens} prompt tokens and {made} "
+                                         f"generated) before the output completed the {kind}: shorten the prompt")
+        return replace(result, error=f"the output reached max_tokens ({made}) "
                                      f"before it completed the {kind}: raise max_tokens")
+
+
+def _special_ids(tokenizer) -> set[int]:
+    hf = getattr(tokenizer, "hf", tokenizer)
+    ids = set(getattr(hf, "all_special_ids", None) or ())
+    return ids | set(getattr(tokenizer, "eos_token_ids", None) or ())
 
 
 def _from_response_format(fmt: Any, json_schema: Any) -> Any:

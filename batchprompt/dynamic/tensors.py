@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from .errors import BatchSizeMismatch
@@ -12,7 +13,10 @@ def _is_torch(x: Any) -> bool:
 
 
 def pad_stack(items: list[dict[str, Any]], pad_token: dict[str, Any]) -> dict[str, Any]:
-    """{key: [B, L, ...]} from items {key: [L_i, ...]}, right-padded with pad_token[key] (default 0)."""
+    """{key: [B, L, ...]} from items {key: [L_i, ...]}, right-padded with pad_token[key] (default 0).
+    Items that do not stack (not a dict, other keys, other shapes past the first dimension) raise
+    a TypeError or ValueError that says so; the batch is then split, so such an item fails alone."""
+    _check_items(items, pad_token)
     keys = items[0].keys()
     out = {}
     for key in keys:
@@ -36,6 +40,53 @@ def pad_stack(items: list[dict[str, Any]], pad_token: dict[str, Any]) -> dict[st
                 batch[i, :v.shape[0]] = v
         out[key] = batch
     return out
+
+
+def _check_items(items: list[Any], pad_token: dict[str, Any]) -> None:
+    for item in items:
+        if not isinstance(item, Mapping) or not item:
+            raise TypeError(f"with tensors=True or pad_token, an item is a dict of numpy arrays or torch tensors, "
+                            f"such as {{'input_ids': 1-D array}}; got {_kind(item)}")
+        missing = [k for k in pad_token if k not in item]
+        if missing:
+            raise ValueError(f"an item has no {missing[0]!r}, which pad_token names (it has {sorted(map(str, item))})")
+        for key, value in item.items():
+            if not _array_like(value):
+                raise TypeError(f"with tensors=True or pad_token, an item's values are numpy arrays, torch tensors "
+                                f"or lists of numbers; its {key!r} is {_kind(value)}")
+    first = items[0]
+    for item in items[1:]:
+        if item.keys() != first.keys():
+            raise ValueError(f"the items of one batch need the same keys: one has {sorted(map(str, item))}, "
+                             f"another {sorted(map(str, first))}")
+        for key, value in item.items():
+            a, b = _shape(value), _shape(first[key])
+            if len(a) != len(b) or a[1:] != b[1:]:
+                raise ValueError(f"the items' {key!r} values do not stack: shapes {a} and {b} (only the first "
+                                 f"dimension, the one padded, may differ)")
+
+
+def _array_like(x: Any) -> bool:
+    if getattr(x, "shape", None) is not None:
+        return True
+    if isinstance(x, bool) or isinstance(x, (int, float)):
+        return True
+    return isinstance(x, (list, tuple)) and all(isinstance(v, (int, float, list, tuple)) for v in x)
+
+
+def _shape(x: Any) -> tuple:
+    shape = getattr(x, "shape", None)
+    if shape is not None:
+        return tuple(shape)
+    import numpy as np
+    try:
+        return tuple(np.shape(x))
+    except ValueError:  # ragged nested lists
+        return (len(x), None)
+
+
+def _kind(x: Any) -> str:
+    return "a dict with no values" if isinstance(x, Mapping) else f"a {type(x).__name__}"
 
 
 def split(outputs: Any, n: int, where: str = "the output") -> list:

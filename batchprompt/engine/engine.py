@@ -172,6 +172,10 @@ class LLMEngine:
                 req.matcher = self.grammars.matcher(p.grammar)
             except GrammarError as e:
                 return f"{e} (fix it; it applies to this request only)"
+            longest = p.grammar.longest_choice()
+            if longest is not None and req.num_prompt_tokens + longest > self.max_model_len:
+                return (f"the prompt ({req.num_prompt_tokens} tokens) and the longest choice ({longest}) "
+                        f"do not fit the context of {self.max_model_len} tokens: shorten the prompt")
         if p.score_choices:
             longest = max(len(c) for c in p.score_choices)
             if req.num_prompt_tokens + longest >= self.max_model_len:

@@ -2,13 +2,15 @@
 
 Routes live in routes_*.py, one file per family, each an APIRouter included here: the health
 routes, OpenAI's completions and chat, the batch endpoints, and OpenAI's Files and Batch API.
-Middleware, outermost first: metrics, the API key (every /v1 route), the body size limit."""
+Middleware, outermost first: metrics (and each answer's X-Request-Id), CORS (with
+--allowed-origins), the API key (every /v1 route), the body size limit."""
 from __future__ import annotations
 
 import asyncio
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from . import routes_batch, routes_batch_api, routes_files, routes_health, routes_openai
 from .config import ServerConfig
@@ -39,11 +41,15 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
     app.openapi = lambda: openapi_schema(app, api_key=config.api_key is not None)
     app.state.server = state
     app.state.metrics = metrics = Metrics(state)
-    for module in (routes_health, routes_openai, routes_batch, routes_files, routes_batch_api):
+    modules = (routes_health, routes_openai, routes_batch, routes_files, routes_batch_api)
+    for module in modules:
         app.include_router(module.router)
     install_handlers(app)
     # add_middleware wraps what is there: the last added runs first.
     app.add_middleware(LimitBody, limit=config.max_body_bytes, uploads={"/v1/files": config.max_file_bytes})
     app.add_middleware(RequireApiKey, api_key=config.api_key)
-    app.add_middleware(RecordMetrics, metrics=metrics)
+    if config.allowed_origins:  # outside the key check: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["x-request-id"])
+    app.add_middleware(RecordMetrics, metrics=metrics, routes=[r for m in modules for r in m.router.routes])
     return app

@@ -63,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-priority", action="store_true",
                    help="run Batch API rows and async batches first come, first served with chat and "
                         "completion requests (by default those go first, without starving the batches)")
+    p.add_argument("--allowed-origins", default="", metavar="ORIGINS",
+                   help="web pages allowed to call the API from a browser (CORS), comma-joined, e.g. "
+                        "http://localhost:3000, or '*' for any page (default: none; a browser page on another "
+                        "origin cannot read the answers)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -84,7 +88,9 @@ def run(args: argparse.Namespace) -> int:
                               api_key=args.api_key or os.environ.get("BATCHPROMPT_API_KEY") or None,
                               data_dir=args.data_dir, device=device, dtype=args.dtype, engine_options=engine_options,
                               max_body_bytes=args.max_body_bytes, batch_retention_s=args.batch_retention,
-                              max_batches=args.max_batches, max_file_bytes=args.max_file_bytes)
+                              max_batches=args.max_batches, max_file_bytes=args.max_file_bytes,
+                              allowed_origins=tuple(o.strip().rstrip("/") for o in args.allowed_origins.split(",")
+                                                    if o.strip()))
         return serve(config, args.log_level)
     except (ValueError, ModelNotFoundError) as e:
         return _fail(str(e))

@@ -28,6 +28,8 @@ class ServerConfig:
     batch_retention_s: float = DEFAULT_BATCH_RETENTION_S
     max_batches: int = DEFAULT_MAX_BATCHES
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    # Browser origins allowed to call the API (CORS); () serves no CORS headers, ("*",) any origin.
+    allowed_origins: tuple[str, ...] = ()
     # Webhooks of async batches: attempts, the first wait between them (doubling), per-attempt timeout.
     webhook_attempts: int = 5
     webhook_backoff_s: float = 1.0
@@ -41,6 +43,10 @@ class ServerConfig:
         _check(self.max_file_bytes >= 1024, f"--max-file-bytes must be at least 1024, got {self.max_file_bytes}")
         _check(self.api_key is None or self.api_key.strip() != "", "--api-key (or $BATCHPROMPT_API_KEY) must not be blank")
         _check(self.webhook_attempts >= 1, "webhook_attempts must be >= 1")
+        for origin in self.allowed_origins:
+            _check(origin == "*" or (origin.startswith(("http://", "https://")) and origin.count("/") == 2),
+                   f"--allowed-origins takes '*' or origins such as http://localhost:3000 (scheme, host, port; "
+                   f"no path), comma-joined; got {origin!r}")
 
     @property
     def loopback(self) -> bool:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import hmac
 import json
 import time
+import uuid
 
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import ApiError, error_body
@@ -23,10 +25,13 @@ async def _send_error(send: Send, status: int, message: str, code: str, headers:
 
 class RecordMetrics:
     """Count each request by route (the route's path template, not the URL: ids do not become
-    labels), method and status, and time it to its last byte (a stream's too)."""
+    labels), method and status, and time it to its last byte (a stream's too). A request
+    answered before it reached its route (a 401, a 413) counts under the route its path
+    matches; "unmatched" is left for paths no route serves. Every answer carries an
+    `X-Request-Id` header, as OpenAI's and vLLM's do: the client's own, else a new one."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics):
-        self.app, self.metrics = app, metrics
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: list | None = None):
+        self.app, self.metrics, self.routes = app, metrics, routes or []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -34,18 +39,35 @@ class RecordMetrics:
             return
         status = 500  # if the app fails before it answers
         t0 = time.perf_counter()
+        request_id = _request_id(scope)
 
         async def send_status(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
             await send(message)
 
         try:
             await self.app(scope, receive, send_status)
         finally:
-            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            route = getattr(scope.get("route"), "path", None) or self._route_of(scope) or "unmatched"
             self.metrics.observe(route, scope["method"], status, time.perf_counter() - t0)
+
+    def _route_of(self, scope: Scope) -> str | None:
+        for route in self.routes:
+            match, _ = route.matches(scope)
+            if match != Match.NONE and getattr(route, "path", None):
+                return route.path
+        return None
+
+
+def _request_id(scope: Scope) -> bytes:
+    """The client's X-Request-Id when it is a short printable token, else a new random one."""
+    given = dict(scope["headers"]).get(b"x-request-id", b"")
+    if 0 < len(given) <= 128 and all(33 <= c < 127 for c in given):
+        return given
+    return uuid.uuid4().hex.encode()
 
 
 class RequireApiKey:

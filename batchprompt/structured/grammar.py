@@ -36,6 +36,13 @@ class Grammar:
                 raise ValueError("choices: give one non-empty token id list per label")
         return cls("choices", json.dumps(data))
 
+    def longest_choice(self) -> int | None:
+        """Choices given with their token ids: the longest label's length in tokens (else None)."""
+        if self.kind != "choices":
+            return None
+        tokens = json.loads(self.source).get("tokens")
+        return max(len(t) for t in tokens) if tokens else None
+
     @classmethod
     def regex(cls, pattern: str) -> "Grammar":
         if not isinstance(pattern, str) or not pattern:

@@ -219,3 +219,52 @@ def test_one_label_and_repeated_labels_are_taken_as_vllm_takes_them(lm, messages
     assert lm.batch_prompt(messages[:1], choices=["spam", "ham", "spam"])[0].text in ("spam", "ham")
     r = lm.batch_prompt(messages[:1], choices=["spam", "ham", "spam"], choice_mode="score")[0]
     assert set(r.choice_probs) == {"spam", "ham"}
+
+
+@pytest.fixture(scope="module")
+def short_context():
+    from batchprompt import LLMEngine
+
+    engine = LLMEngine.from_pretrained(dtype="float32", max_model_len=128)
+    yield bp.LanguageModel.create(model=engine, max_tokens=100)
+    bp.shutdown(engine)
+
+
+def _filling(lm, room: int) -> str:
+    """A prompt that leaves `room` tokens of the 128-token context."""
+    base = lm.batch_prompt([""], max_tokens=1)[0].usage.prompt_tokens
+    return "dog " * (128 - room - base)
+
+
+@pytest.mark.parametrize("option", [
+    {"json_schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}},
+    {"regex": "[a-z]{30}"},
+])
+def test_an_output_cut_by_the_end_of_the_context_says_shorten_the_prompt(short_context, option):
+    """max_tokens=100 was cut to what the context leaves, and the error said "raise max_tokens",
+    which cannot help."""
+    r = short_context.batch_prompt([_filling(short_context, 2)], **option)[0]
+    assert r.finish_reason == "length" and r.usage.completion_tokens < 100
+    assert "the context ran out" in r.error and "shorten the prompt" in r.error, r.error
+
+
+def test_choices_that_do_not_fit_the_context_are_refused_in_both_modes(short_context):
+    """Decode mode returned a partial label (`'alpha'`, finish_reason length) with "raise max_tokens"."""
+    labels = ["alpha beta gamma delta", "epsilon zeta eta theta"]
+    for mode in ("decode", "score"):
+        r = short_context.batch_prompt([_filling(short_context, 2)], choices=labels, choice_mode=mode)[0]
+        assert r.text == "" and "do not fit the context of 128 tokens: shorten the prompt" in r.error, (mode, r)
+
+
+def test_a_label_with_a_special_token_is_refused_in_decode_mode(lm, messages):
+    """Decoding `<|im_end|>` ends the answer: the result was '' with no error."""
+    with pytest.raises(ValueError, match=re.escape("'<|im_end|>' holds a special token")):
+        lm.batch_prompt(messages[:1], choices=["<|im_end|>", "ham"])
+    r = lm.batch_prompt(messages[:1], choices=["<|im_end|>", "ham"], choice_mode="score")[0]
+    assert r.text in ("<|im_end|>", "ham") and set(r.choice_probs) == {"<|im_end|>", "ham"}
+
+
+def test_logprobs_with_scored_choices_are_refused(lm, messages):
+    """They came back as [] without a word."""
+    with pytest.raises(ValueError, match="logprobs are not available with choice_mode='score'"):
+        lm.batch_prompt(messages[:1], choices=["spam", "ham"], choice_mode="score", logprobs=True)

@@ -265,3 +265,45 @@ def test_a_slotted_instance_is_freed_with_its_batcher():
 def test_an_infinite_bucket_boundary_is_refused():
     with pytest.raises(ValueError, match="buckets"):
         bp.dynamically(length=len, buckets=[32, float("inf")])
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    ([1, 2, 3], TypeError, "an item is a dict of numpy arrays or torch tensors"),
+    ({"ids": torch.arange(2)}, ValueError, "no 'input_ids', which pad_token names"),
+    ({"input_ids": "abc"}, TypeError, "its 'input_ids' is a str"),
+])
+def test_a_tensor_item_that_does_not_stack_fails_alone_naming_why(bad, error, words):
+    """Such an item reached the function in a batch: a list raised AttributeError ('keys'), a
+    missing key a bare KeyError from inside the user's function."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    @bp.dynamically(batch_size=3, timeout_ms=300, pad_token={"input_ids": 0})
+    def total(batch):
+        return batch["input_ids"].sum(1)
+
+    items = [{"input_ids": torch.arange(3)}, bad, {"input_ids": torch.arange(5)}]
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(total, item) for item in items]
+        assert int(futures[0].result(LIMIT_S)) == 3 and int(futures[2].result(LIMIT_S)) == 10
+        with pytest.raises(error, match=words):
+            futures[1].result(LIMIT_S)
+    assert int(total({"input_ids": [1, 2]})) == 3  # a list of numbers is an array too
+
+
+def test_items_of_other_shapes_are_not_stacked_together():
+    """A [2, 3] item among [L] items does not stack with them (a ValueError that says so splits
+    the batch): it runs in a batch of its own and gets its own row."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    seen = []
+
+    @bp.dynamically(batch_size=3, timeout_ms=300, pad_token={"input_ids": 0})
+    def total(batch):
+        seen.append(tuple(batch["input_ids"].shape))
+        return batch["input_ids"].sum(1)
+
+    items = [{"input_ids": torch.arange(3)}, {"input_ids": torch.ones(2, 3)}, {"input_ids": torch.arange(5)}]
+    with ThreadPoolExecutor(3) as pool:
+        got = [f.result(LIMIT_S) for f in [pool.submit(total, item) for item in items]]
+    assert [g.tolist() for g in got] == [3, [2.0, 2.0, 2.0], 10]
+    assert (1, 2, 3) in seen and all(len(shape) == 2 for shape in seen if shape != (1, 2, 3))

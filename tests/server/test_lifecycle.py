@@ -23,7 +23,7 @@ KEY = "sk-test-0123456789"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("server"), api_key=KEY)
+    srv = start_server(tmp_path_factory.mktemp("server"), "--allowed-origins", "http://localhost:3000", api_key=KEY)
     yield srv
     stop_server(srv)  # the last test stops it itself
 
@@ -48,6 +48,37 @@ def test_the_key_opens_them(server):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
 
 
+def test_refused_requests_count_under_their_route_and_carry_a_request_id(server):
+    """A 401 is answered before routing: it counted under route="unmatched", so a dashboard of
+    refused keys per route saw none; and no answer had OpenAI's x-request-id header."""
+    r = httpx.post(server.url + "/v1/chat/completions", json={}, headers={"X-Request-Id": "mine-1"}, timeout=60)
+    assert r.status_code == 401 and r.headers["x-request-id"] == "mine-1"
+    r = httpx.get(server.url + "/v1/files/file-abc", timeout=60)
+    assert r.status_code == 401 and len(r.headers["x-request-id"]) == 32
+    text = httpx.get(server.url + "/metrics", timeout=60).text
+    assert 'batchprompt_http_requests_total{method="POST",route="/v1/chat/completions",status="401"}' in text
+    assert 'route="/v1/files/{file_id}",status="401"}' in text  # the template, not the id
+    client = server.openai()
+    page = client.models.with_raw_response.list(extra_headers={"X-Request-Id": "mine-2"})
+    assert page.headers["x-request-id"] == "mine-2" and page.parse().data
+
+
+def test_a_browser_page_of_an_allowed_origin_may_call_the_api(server):
+    """--allowed-origins serves CORS: a preflight (which carries no key) is answered, and the
+    answers name the allowed origin; another origin gets no CORS header, so its page cannot read."""
+    allowed, other = {"Origin": "http://localhost:3000"}, {"Origin": "http://evil.example"}
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    r = httpx.options(server.url + "/v1/chat/completions", headers={**allowed, **preflight}, timeout=60)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+    r = httpx.get(server.url + "/v1/models", headers={**allowed, "Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert "x-request-id" in r.headers["access-control-expose-headers"]
+    r = httpx.get(server.url + "/v1/models", headers={**other, "Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert "access-control-allow-origin" not in r.headers
+    r = httpx.options(server.url + "/v1/chat/completions", headers={**other, **preflight}, timeout=60)
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+
+
 def test_health_ready_and_metrics_need_no_key(server):
     for path in ("/health", "/ready", "/metrics"):
         assert httpx.get(server.url + path, timeout=60).status_code == 200, path
@@ -61,6 +92,7 @@ def test_bad_options_exit_2_before_loading(tmp_path):
                         (["--kv-cache-memory", "lots"], "--kv-cache-memory 'lots' is not a memory size"),
                         (["--device", "tpu"], "--device tpu: not a device"),
                         (["--max-model-len", "1"], "--max-model-len must be >= 2"),
+                        (["--allowed-origins", "localhost:3000"], "--allowed-origins takes '*' or origins"),
                         ([], "$BATCHPROMPT_API_KEY) must not be blank")):
         p = subprocess.run([sys.executable, "-m", "batchprompt.server", *args], capture_output=True, text=True,
                            timeout=300, env=env if not args else None)
