@@ -79,9 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--format", default="openai", choices=["openai", "table"],
                      help="output shape: OpenAI batch lines (default) or the input table plus result, "
                           "finish_reason and error columns")
-    run.add_argument("--journal", default=None, help="journal file (default OUTPUT.journal)")
+    run.add_argument("--journal", default=None,
+                     help="journal file (default OUTPUT.journal; with -o -, a file named by the job's input and "
+                          "options under $BATCHPROMPT_CACHE or ~/.cache/batchprompt/jobs, which stays there: "
+                          "the same pipe run again prints the journaled results)")
     run.add_argument("--dry-run", action="store_true",
-                     help="count rows and prompt tokens and estimate the run time from a short calibration")
+                     help="count rows and prompt tokens and estimate the run time from a short calibration: a "
+                          "tenth of the rows (4 to 64) run and are not kept (with --endpoints, on the servers)")
     run.add_argument("--restart", action="store_true", help="discard the journal and start over")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--choices", default=None, metavar="A,B,...",

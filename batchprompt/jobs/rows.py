@@ -382,10 +382,13 @@ def _row_from_body(n: int, cid: str, url: str, body: dict) -> Row | RowError:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, list) and prompt:  # the endpoint's other forms: one answer per line here
-        what = "token ids" if all(isinstance(t, int) for t in prompt) else f"a list of {len(prompt)} prompts"
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            fix = "give the prompt as text (the server's /v1/completions route takes token ids)"
+            what = "token ids"
+        else:
+            fix, what = "put each prompt on a line of its own", f"a list of {len(prompt)} prompts"
         return RowError(n, cid, "unsupported_prompt", f"line {n}: the prompt is {what}; a batch line takes one "
-                                                      f"prompt as text: put each prompt on a line of its own",
-                        "prompt")
+                                                      f"prompt as text: {fix}", "prompt")
     if not isinstance(prompt, str) or not prompt:
         needs = "a non-empty prompt string" + (" or messages" if url == COMPLETION_OR_CHAT else "")
         return RowError(n, cid, "missing_prompt", f"line {n}: the line needs {needs}"

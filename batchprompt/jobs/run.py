@@ -351,6 +351,10 @@ class JobRun:
         opts = self.opts
         table = read_input(opts.input, opts.column)  # a missing or unreadable input fails here
         table.rows = check_ids(table.rows, opts.input)  # duplicated ids fail here, before any work
+        if not table.rows:  # as the server refuses an empty upload (and OpenAI an empty batch)
+            where = "standard input" if opts.input == "-" else opts.input
+            raise InputError(f"{where} holds no requests (it is empty, or only blank lines): give one JSON "
+                             f"request per line (or rows of a CSV/Parquet table)")
         if opts.format == "table" and table.format == "jsonl":
             raise InputError("--format table applies to CSV and Parquet input; JSONL input gives OpenAI lines")
         if opts.format not in ("openai", "table"):
@@ -425,7 +429,11 @@ class JobRun:
         if todo:  # loaded before any row is journaled: an option the engine refuses leaves the journal empty
             service = get_backend(self.model_path, cluster=opts.cluster, device=opts.device, dtype=opts.dtype,
                                   engine_options=opts.engine_options)
-            self.say(f"model {model_name} ready in {time.perf_counter() - t0:.1f}s; {len(todo)} rows to run")
+            if getattr(opts.cluster, "remote", False):  # only its tokenizer loads here
+                what = f"{len(opts.cluster.specs)} endpoint(s) serving {model_name}"
+            else:
+                what = f"model {model_name}"
+            self.say(f"{what} ready in {time.perf_counter() - t0:.1f}s; {len(todo)} rows to run")
         for r in table.rows:  # unreadable rows are answered now
             if isinstance(r, RowError) and r.line not in done:
                 journal.record(r.line, r.custom_id, False, openai_io.row_error_line(r, journal.job_id))
@@ -521,7 +529,8 @@ class JobRun:
         ready = [r for r in (self._ready(row, service) for row in rows) if isinstance(r, Ready)]
         summary = JobSummary(rows=len(table.rows), failed=len(table.rows) - len(ready), notes=table.notes(),
                              prompt_tokens=sum(len(r.ids) for r in ready))
-        sample = ready[:opts.calibration_rows]
+        # A tenth of the rows, 4 to calibration_rows: a small job's dry run ran it whole.
+        sample = ready[:min(opts.calibration_rows, max(4, -(-len(ready) // 10)))]
         items, _ = _items(sample)
         t0 = time.perf_counter()
         Batch(service, items).wait()

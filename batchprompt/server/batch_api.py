@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..jobs.storage import StorageError
 from . import batch_files
 from .batch_input import ENDPOINTS
-from .batch_job import BatchJob, Counts
+from .batch_job import BatchJob, Counts, state_detail
 from .batch_store import FINAL, Store, UnknownCursor
 from .data_dir import DataDir, DataDirError
 from .errors import ApiError
@@ -31,7 +31,6 @@ log = logging.getLogger("batchprompt")
 WINDOW = re.compile(r"([0-9]+)([smhd])")
 MAX_WINDOW_S = 365 * 86400
 UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-CANCEL_WAIT_S = 5.0  # a cancel answers once the batch is cancelled, or after this (then: cancelling)
 
 
 class BatchApi:
@@ -51,7 +50,10 @@ class BatchApi:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
     async def update(self, batch_id: str, **changes: Any) -> dict[str, Any]:
-        return await asyncio.to_thread(self.store.update_batch, batch_id, **changes)
+        batch = await asyncio.to_thread(self.store.update_batch, batch_id, **changes)
+        if "status" in changes:  # one log line per change of state, with its counts
+            log.info("batch %s %s%s", batch_id, changes["status"], state_detail(batch))
+        return batch
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -62,6 +64,7 @@ class BatchApi:
                 log.warning("batch %s was made for the model %s, not %s: it resumes when a server with that "
                             "model uses this --data-dir", batch["id"], batch.get("model"), self.state.model_id)
                 continue
+            log.info("batch %s resumes (%s%s)", batch["id"], batch["status"], state_detail(batch, inner=True))
             self._spawn(batch)
             resumed += 1
         if resumed:
@@ -155,6 +158,8 @@ class BatchApi:
                  "expired_at": None, "cancelling_at": None, "cancelled_at": None, "request_counts": counts,
                  "metadata": metadata, "model": self.state.model_id, "usage": usage}
         await asyncio.to_thread(self.store.add_batch, batch)
+        log.info("batch %s created: %s from file %s, window %s", batch["id"], endpoint, file_id,
+                 body["completion_window"])
         self._spawn(batch)
         return batch
 
@@ -197,10 +202,10 @@ class BatchApi:
                 raise ApiError(409, f"the batch {batch_id} is ending ({job.ending or 'completed'}): its outputs are "
                                     f"being written", "batch_ended", "batch_id")
             if job.stop("cancelled") and batch["status"] != "cancelling":
-                await self.update(batch_id, status="cancelling", cancelling_at=int(time.time()))
-        if job.task is not None:
-            await asyncio.wait({job.task}, timeout=CANCEL_WAIT_S)
-        return await self.get_batch(batch_id)
+                batch = self.view(await self.update(batch_id, status="cancelling", cancelling_at=int(time.time())))
+        # As OpenAI answers: `cancelling` at once; the batch turns `cancelled` once its requests
+        # in flight are stopped and its files are written (a poll sees it).
+        return batch
 
     async def ensure_files(self, batch_id: str) -> dict[str, Any]:
         """The batch, with output and error files (made now for one cancelled before it began)."""

@@ -129,6 +129,8 @@ class BatchJob:
                                 dict(changes, request_counts=counts, usage=usage), dropped)
         for file_id in dropped:
             self.api.dir.file_path(file_id).unlink(missing_ok=True)
+        log.info("batch %s %s%s", self.id, changes.get("status"),
+                 state_detail(dict(batch, request_counts=counts, **changes)))
 
     async def _run(self) -> None:
         status = self.batch["status"]
@@ -291,3 +293,16 @@ class BatchJob:
 
 def _errors(data: list[dict[str, Any]]) -> dict[str, Any]:
     return {"object": "list", "data": data}
+
+
+def state_detail(batch: dict[str, Any], inner: bool = False) -> str:
+    """What a log line says beside a batch's state: its counts, or why it failed."""
+    if batch.get("status") == "failed" and batch.get("errors"):
+        data = (batch["errors"] or {}).get("data") or []
+        first = data[0].get("message") if data else None
+        return f": {first}" + (f" (and {len(data) - 1} more errors)" if len(data) > 1 else "") if first else ""
+    c = batch.get("request_counts") or {}
+    if not c.get("total"):
+        return ""
+    counts = f"{c.get('completed', 0)} completed, {c.get('failed', 0)} failed of {c['total']} requests"
+    return f", {counts}" if inner else f" ({counts})"

@@ -152,10 +152,23 @@ def serve(config, log_level: str = "info") -> int:
     try:
         server.run()
     finally:
-        # The engine's threads end and its memory is freed; an engine thread stuck in a step is
-        # not waited for beyond ENGINE_STOP_S (what finished is journaled already).
-        shutdown(state.model_key, timeout=ENGINE_STOP_S)
-    return 0
+        forced = _stop_engine(state.model_key, log)
+    return 130 if forced else 0
+
+
+def _stop_engine(model_key, log: logging.Logger) -> bool:
+    """The engine's threads end and its memory is freed; an engine thread stuck in a step is not
+    waited for beyond ENGINE_STOP_S (what finished is journaled already). A second Ctrl-C while
+    this waits stops the wait (True), with one line instead of a traceback."""
+    from ..api import shutdown
+
+    try:
+        shutdown(model_key, timeout=ENGINE_STOP_S)
+        return False
+    except KeyboardInterrupt:
+        log.warning("stopped at once by a second Ctrl-C: finished Batch API rows are journaled, and unfinished "
+                    "batches resume at the next start")
+        return True
 
 
 def _port_in_use(host: str, port: int) -> str | None:

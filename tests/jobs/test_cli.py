@@ -34,6 +34,18 @@ def write_sms_batch(path: Path, n: int) -> list[str]:
     return [f"sms-{i}" for i in range(n)]
 
 
+def test_an_empty_input_is_refused_as_the_server_refuses_it(tmp_path, capsys):
+    """It exited 0 with an empty output and a journal, 'outputs written from the journal'."""
+    for name, text in (("empty.jsonl", ""), ("blank.jsonl", "\n  \n"), ("header.csv", "text\n")):
+        inp = tmp_path / name
+        inp.write_text(text)
+        out = tmp_path / f"{name}.out.jsonl"
+        column = ["--column", "text"] if name.endswith(".csv") else []
+        assert main(["run", str(inp), "-o", str(out), *column]) == 2, name
+        assert f"{inp} holds no requests" in capsys.readouterr().err
+        assert not out.exists() and not Path(f"{out}.journal").exists()
+
+
 def parse_outputs(path: Path) -> list[dict]:
     out = [json.loads(line) for line in path.read_text().splitlines()]
     for o in out:
@@ -335,6 +347,7 @@ def test_dry_run_counts_and_estimates_without_running(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "dry run: 40 rows" in err and "prompt tokens" in err and "estimated run time" in err
     assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "o.jsonl.journal").exists()
+    assert "calibration: 4 rows in" in err  # a tenth of them, at least 4 (it ran all 40: the whole job)
 
 
 @pytest.mark.slow

@@ -66,6 +66,13 @@ def test_messages_say_what_the_line_got_in_jsons_words():
     assert msgs.message == "line 3: the line needs a non-empty prompt string (a completion body takes no messages)"
     [plain] = read_jsonl(lines({"prompt": ""}))
     assert plain.message == "line 1: the line needs a non-empty prompt string or messages"
+    # Token ids were told to "put each prompt on a line of its own", which the line already was.
+    ids, many = read_jsonl(lines({"custom_id": "x", "url": COMPLETION, "body": {"prompt": [504, 3]}},
+                                 {"custom_id": "y", "url": COMPLETION, "body": {"prompt": ["a", "b"]}}))
+    assert ids.message.endswith("the prompt is token ids; a batch line takes one prompt as text: give the prompt "
+                                "as text (the server's /v1/completions route takes token ids)")
+    assert many.message.endswith("a list of 2 prompts; a batch line takes one prompt as text: put each prompt on "
+                                 "a line of its own")
 
 
 def test_an_empty_custom_id_is_named_as_empty():

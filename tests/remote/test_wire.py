@@ -109,3 +109,46 @@ def test_streaming_is_asked_except_where_servers_refuse_it():
     body = completion_body("m", [[1]], SamplingParams(), stream=True)
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert streams(SamplingParams(n=2)) and not streams(SamplingParams(n=1, best_of=3))
+
+
+def test_a_stream_of_keep_alives_alone_times_out():
+    """A server that keeps its stream open with comments alone (a stuck one that still sends
+    keep-alives) is a timeout, as a silent one is: the work goes elsewhere."""
+    import asyncio
+    import time
+
+    from batchprompt.remote.endpoint import Endpoint
+    from batchprompt.remote.hostfile import EndpointSpec
+
+    async def handle(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        try:
+            for _ in range(400):
+                chunk = b": keep-alive\n\n"
+                writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                await writer.drain()
+                await asyncio.sleep(0.05)
+        except ConnectionError:
+            pass
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        e = Endpoint(0, EndpointSpec(f"http://127.0.0.1:{port}"), api_key=None, timeout=0.5, connect_timeout=2,
+                     max_in_flight=1, initial_in_flight=1)
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(EndpointError) as err:
+                await e.post_stream("/v1/completions", {"prompt": "x"}, lambda chunk: None)
+            return err.value, time.monotonic() - t0
+        finally:
+            await e.close()
+            server.close()
+
+    err, took = asyncio.run(main())
+    assert err.kind == "timeout" and "only keep-alives" in str(err) and took < 5, (err, took)

@@ -294,7 +294,7 @@ def test_output_readable_while_running_and_cancel_keeps_finished_rows(server, cl
         with pytest.raises(openai.ConflictError, match="has not ended"):
             client.files.delete(file_id)
     cancelled = client.batches.cancel(batch.id)
-    assert cancelled.status in ("cancelling", "cancelled")
+    assert cancelled.status == "cancelling" and cancelled.cancelling_at  # as OpenAI answers (it waited up to 5 s)
     batch = wait_ended(client, batch.id)
     assert batch.status == "cancelled" and batch.cancelling_at and batch.cancelled_at and batch.completed_at is None
     assert batch.request_counts.model_dump() == {"total": 8, "completed": 6, "failed": 2}
@@ -306,6 +306,12 @@ def test_output_readable_while_running_and_cancel_keeps_finished_rows(server, cl
     server.wait_until(lambda s: s["engine"]["running"] == 0 and s["engine"]["waiting"] == 0,
                       "the engine dropped the cancelled requests")
     assert client.batches.cancel(batch.id).status == "cancelled"  # again: the same answer
+    # The server's log says what became of the batch (it said nothing of batches).
+    log = server.output()
+    for line in (f"batch {batch.id} created: /v1/completions from file {f.id}, window 24h",
+                 f"batch {batch.id} in_progress (0 completed, 0 failed of 8 requests)",
+                 f"batch {batch.id} cancelling", f"batch {batch.id} cancelled (6 completed, 2 failed of 8 requests)"):
+        assert line in log, line
 
 
 def test_an_ended_batch_cannot_be_cancelled(client):

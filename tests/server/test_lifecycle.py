@@ -67,7 +67,8 @@ def test_a_browser_page_of_an_allowed_origin_may_call_the_api(server):
     """--allowed-origins serves CORS: a preflight (which carries no key) is answered, and the
     answers name the allowed origin; another origin gets no CORS header, so its page cannot read."""
     allowed, other = {"Origin": "http://localhost:3000"}, {"Origin": "http://evil.example"}
-    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
     r = httpx.options(server.url + "/v1/chat/completions", headers={**allowed, **preflight}, timeout=60)
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
     r = httpx.get(server.url + "/v1/models", headers={**allowed, "Authorization": f"Bearer {KEY}"}, timeout=60)
@@ -181,3 +182,20 @@ def test_sigterm_exits_while_the_engine_is_stuck_in_a_step(tmp_path):
         assert took < 40, took
     finally:
         stop_server(srv)
+
+
+def test_a_second_ctrl_c_while_the_engine_stops_is_one_line_and_exit_130(monkeypatch, caplog):
+    """A second Ctrl-C that came while the server waited for its engine to stop (uvicorn's
+    signal handlers are gone by then) printed a KeyboardInterrupt traceback."""
+    import logging
+
+    import batchprompt.api as api
+    from batchprompt.server import command
+
+    def interrupted(model_key, timeout=None):
+        raise KeyboardInterrupt  # as the signal lands in the engine thread's join
+
+    monkeypatch.setattr(api, "shutdown", interrupted)
+    with caplog.at_level(logging.WARNING, logger="batchprompt"):
+        assert command._stop_engine(("model",), logging.getLogger("batchprompt")) is True
+    assert "stopped at once by a second Ctrl-C" in caplog.text

@@ -248,8 +248,20 @@ def test_a_value_of_the_wrong_type_is_shown_in_the_message(server):
         r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"})
         missing = c.post("/v1/chat/completions", json={"max_tokens": 8})
     assert r.status_code == 422 and error_of(r)["param"] == "temperature", r.text
-    assert "temperature: " in error_of(r)["message"] and "got 'hot'" in error_of(r)["message"], r.text
+    assert "temperature: " in error_of(r)["message"] and 'got "hot"' in error_of(r)["message"], r.text
     assert missing.status_code == 422 and "got" not in error_of(missing)["message"], missing.text  # nothing was sent
+
+
+def test_a_wrong_type_is_named_by_its_field_and_shown_as_json(server):
+    """param read "stop.str" (pydantic's name of the union member), and values were Python's
+    (True, None)."""
+    with server.client() as c:
+        stop = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "stop": 123})
+        flag = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": True, "echo": None, "n": None,
+                                               "user": True})
+    assert stop.status_code == 422 and error_of(stop)["param"] == "stop", stop.text
+    assert "stop: " in error_of(stop)["message"] and "got 123" in error_of(stop)["message"]
+    assert flag.status_code in (400, 422) and "True" not in error_of(flag)["message"], flag.text
 
 
 @pytest.mark.parametrize("body, code", [
