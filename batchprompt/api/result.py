@@ -38,6 +38,9 @@ class Result:
     # The prompt did not fail on its own account: its backend stopped, or no endpoint of a pool
     # answered for `give_up_after` seconds. Sent again, it may well succeed.
     retryable: bool = False
+    # The stop string or stop token id that ended the text (as vLLM's stop_reason); None when
+    # EOS, max_tokens or anything else ended it.
+    stop_reason: str | int | None = None
 
     @property
     def ok(self) -> bool:

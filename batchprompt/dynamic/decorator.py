@@ -73,7 +73,11 @@ class DynamicFunction:
         group = buf.group
         if pos + 1 >= p.batch_size:
             p.flush_buffer(buf, False)
-        return await Waiter(group, pos, None)
+        try:
+            return await Waiter(group, pos, None)
+        except asyncio.CancelledError:  # still queued, and alone in its group: it runs for nobody
+            p._withdraw_own(group, pos, pos + 1)
+            raise
 
     async def amany(self, items: Iterable, *, priority: int = 0, timeout: float | None = None) -> list:
         _check_priority(priority)

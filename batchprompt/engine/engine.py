@@ -512,6 +512,7 @@ class LLMEngine:
             choice_logprobs=list(req.choice_logprobs) if req.params.score_choices and req.error is None else None,
             grammar_complete=(req.matcher is not None and req.error is None and not req.matcher.is_error()
                               and req.matcher.is_accepting()),
+            stop_reason=req.stop_reason if req.finish_reason == "stop" else None,
         )
 
     @staticmethod

@@ -35,6 +35,9 @@ class RequestOutput:
     # max_tokens cut where the grammar could end ("a+" cut after "aaaa"). False otherwise, and
     # from backends that cannot tell (a remote server).
     grammar_complete: bool = False
+    # The stop string or stop token id that ended the output (vLLM's stop_reason); None where EOS,
+    # max_tokens or anything else ended it.
+    stop_reason: str | int | None = None
 
     @property
     def ok(self) -> bool:

@@ -10,7 +10,10 @@ def check_stop(req: Request, eos_token_ids: frozenset[int], max_model_len: int, 
     token = req.output_token_ids[-1]
     if len(req.output_token_ids) < p.min_tokens:  # the sampler kept EOS and stop tokens out
         return "length" if req.num_tokens >= max_model_len else None
-    if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
+    if token in p.stop_token_ids:
+        req.stop_reason = token
+        return "stop"
+    if not p.ignore_eos and token in eos_token_ids:
         return "stop"
     if p.stop and tokenizer is not None:
         text = tokenizer.decode(req.output_token_ids)
@@ -19,11 +22,12 @@ def check_stop(req: Request, eos_token_ids: frozenset[int], max_model_len: int, 
         else:
             # Only the tail can hold a new match: what came before was checked at earlier steps.
             tail_from = max(0, len(text) - max(len(s) for s in p.stop) - 16)
-            hits = [(i, i + len(s)) for i, s in ((text.find(s, max(tail_from, req.stop_floor - len(s) + 1)), s)
-                                                 for s in p.stop) if i >= 0]
+            hits = [(i, i + len(s), s) for i, s in ((text.find(s, max(tail_from, req.stop_floor - len(s) + 1)), s)
+                                                    for s in p.stop) if i >= 0]
             if hits:
-                start, end = min(hits)
+                start, end, matched = min(hits)
                 req.stop_text_len = end if p.include_stop_str_in_output else start
+                req.stop_reason = matched
                 return "stop"
     if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= max_model_len:
         return "length"

@@ -108,7 +108,9 @@ def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
 def _with_extras(choice: dict[str, Any], r: Result, with_ids: bool) -> dict[str, Any]:
     """The choice with the fields beyond OpenAI's, as vLLM adds its own (OpenAI's clients keep
     fields they do not know): a label picked by its log-likelihood (choice_mode "score") comes
-    with every label's probability, and `token_ids` where the body asked (return_token_ids)."""
+    with every label's probability, `token_ids` where the body asked (return_token_ids), and
+    vLLM's `stop_reason`."""
+    choice["stop_reason"] = r.stop_reason  # vLLM's: the stop string or token id, else null
     if r.choice_probs is not None:
         choice["choice_probs"] = dict(r.choice_probs)
     if with_ids:

@@ -110,6 +110,7 @@ class Sample:
     token_ids: list[int] | None  # as the server gave them, when it did
     logprobs: list[float] | None
     top_logprobs: list[dict[str, float]] | None
+    stop_reason: str | int | None = None
 
 
 def parse_completions(data: Any, n_prompts: int, n: int, where: str) -> list[list[Sample]]:
@@ -159,6 +160,8 @@ class CompletionStream:
             if whole["finish_reason"] is not None:
                 continue  # a choice's pieces after its end (none expected): ignored
             _join(whole, c)
+            if c.get("stop_reason") is not None:
+                whole["stop_reason"] = c["stop_reason"]
             if not c.get("finish_reason"):
                 continue
             whole["finish_reason"] = c["finish_reason"]
@@ -236,7 +239,9 @@ def _sample(c: dict) -> Sample:
         if ids is None and tokens and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
             ids = [int(t[len("token_id:"):]) for t in tokens]
         tops = lp.get("top_logprobs")
-    return Sample(text, FINISH.get(c.get("finish_reason") or "stop", "stop"), ids, logprobs, tops)
+    stop = c.get("stop_reason")
+    stop = stop if isinstance(stop, str) or (isinstance(stop, int) and not isinstance(stop, bool)) else None
+    return Sample(text, FINISH.get(c.get("finish_reason") or "stop", "stop"), ids, logprobs, tops, stop)
 
 
 def to_output(rid: str, prompt_ids: list[int], samples: list[Sample], params: SamplingParams, tokenizer,
@@ -261,7 +266,7 @@ def _one(rid: str, prompt_ids: list[int], s: Sample, params: SamplingParams, tok
         tops = [_top(pos, tokenizer) for pos in s.top_logprobs]
     return RequestOutput(rid, list(prompt_ids), list(ids), s.text, s.finish_reason,
                          logprobs=s.logprobs if params.logprobs else None, top_logprobs=tops,
-                         num_cached_tokens=cached)
+                         num_cached_tokens=cached, stop_reason=s.stop_reason if s.finish_reason == "stop" else None)
 
 
 def _top(pos: Any, tokenizer) -> list[tuple[int, float]]:

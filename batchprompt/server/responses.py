@@ -141,7 +141,8 @@ class Chunks:
         if rest or choice["logprobs"] is not None or not streamed:
             out.append(self._chunk([{"index": i, "delta": {"content": rest}, "logprobs": choice["logprobs"],
                                      "finish_reason": None}]))
-        finish = {"index": i, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}
+        finish = {"index": i, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"],
+                  "stop_reason": choice.get("stop_reason")}
         return out + [self._chunk([finish])]
 
     def end(self) -> list[str]:

@@ -215,6 +215,27 @@ def test_a_cancelled_amany_takes_its_queued_items_off_the_queue():
     assert rec.batches == [[0], [5]] and f.stats.withdrawn == 4
 
 
+def test_a_cancelled_acall_takes_its_queued_item_off_the_queue():
+    """It stayed queued and ran for nobody (amany's were taken off, acall's were not)."""
+    rec = Recorder(hold_first=True)
+    f = bp.dynamically(batch_size=2, timeout_ms=1)(rec)
+
+    async def main():
+        first = asyncio.create_task(f.acall(0))  # runs, held
+        while not rec.started.is_set():
+            await asyncio.sleep(0.001)
+        gone = asyncio.create_task(f.acall(1))
+        await asyncio.sleep(0.05)
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        rec.release.set()
+        return await first, await f.acall(5)
+
+    assert asyncio.run(main()) == (0, 50)
+    assert rec.batches == [[0], [5]] and f.stats.withdrawn == 1
+
+
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit])
 def test_a_stop_that_leaves_the_loop_still_wakes_the_other_callers_of_the_batch(stop):
     """The first task let the function's KeyboardInterrupt out of the loop; the other callers of

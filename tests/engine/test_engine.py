@@ -112,7 +112,9 @@ def test_stop_token_ids_and_max_tokens(tiny_model):
                                                           stop_token_ids=(stop_at,)))[0]
     assert out.finish_reason == "stop"
     assert out.output_token_ids == free[:free.index(stop_at) + 1]
-    assert engine(tiny_model).generate([p], GREEDY)[0].finish_reason == "length"
+    assert out.stop_reason == stop_at  # vLLM's stop_reason: the stop token id
+    long = engine(tiny_model).generate([p], GREEDY)[0]
+    assert long.finish_reason == "length" and long.stop_reason is None
 
 
 def test_abort_returns_the_request_and_frees_memory(tiny_model):
@@ -188,9 +190,11 @@ def test_stop_strings_cut_the_text(embedded_engine):
     p = tok.encode_prompt("Count from 1 to 10, separated by commas.")
     free = embedded_engine.generate([p], SamplingParams(max_tokens=30, temperature=0))[0]
     assert "4" in free.text
-    cut = embedded_engine.generate([p], SamplingParams(max_tokens=30, temperature=0, stop=["4"]))[0]
-    assert cut.finish_reason == "stop"
+    cut = embedded_engine.generate([p], SamplingParams(max_tokens=30, temperature=0, stop=["zebra", "4"]))[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == "4"  # the string that matched (vLLM's)
     assert cut.text == free.text[:free.text.index("4")]
+    eos = embedded_engine.generate([tok.encode_prompt("Say hi.")], SamplingParams(max_tokens=60, temperature=0))[0]
+    assert eos.finish_reason == "stop" and eos.stop_reason is None  # EOS: null, as in vLLM
 
 
 def test_decode_kernel_gives_the_pytorch_attention_results(tiny_model):

@@ -42,6 +42,8 @@ def test_logprobs_and_token_counts_through_our_servers(two_servers):
         lm = bp.LanguageModel.create(model=pool, max_tokens=3)
         got = lm.batch_prompt(PROMPTS[:3], logprobs=True)
         forced = lm.batch_prompt(["Say hi."], logit_bias={28: 100.0})[0]
+        spaced = lm.batch_prompt(["Say hi."], stop=[" "], max_tokens=20)[0]
+    assert spaced.finish_reason == "stop" and spaced.stop_reason == " ", spaced  # the server's stop_reason
     assert [r.error for r in got] == [None] * 3, got
     assert all(len(r.logprobs) == len(r.token_ids) == r.usage.completion_tokens >= 1 for r in got), got
     assert (forced.text, forced.token_ids, forced.usage.completion_tokens) == (",,,", [28, 28, 28], 3), forced

@@ -153,6 +153,25 @@ def test_a_stream_never_sends_what_a_stop_string_cuts(server):
     assert len(pieces) >= 2, pieces
 
 
+def test_choices_say_which_stop_ended_them_as_vllm_does(server):
+    """vLLM's stop_reason: the stop string or stop token id that ended a choice, null for EOS
+    or max_tokens; also in a stream's finish chunk. It was missing."""
+    client = server.openai()
+    out = client.completions.create(model="smollm2-135m", prompt=["1, 2, 3, 4,", "Say hi."], max_tokens=12,
+                                    temperature=0, stop=["zebra", "7"])
+    assert [c.model_extra.get("stop_reason", "absent") for c in out.choices][0] == "7"
+    chat = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Say hi."}],
+                                          max_tokens=40, temperature=0)
+    assert chat.choices[0].finish_reason == "stop" and chat.choices[0].model_extra["stop_reason"] is None
+    cut = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Say hi."}],
+                                         max_tokens=1, temperature=0)
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].model_extra["stop_reason"] is None
+    stream = client.chat.completions.create(model="smollm2-135m", stream=True, max_tokens=12, temperature=0,
+                                            messages=[{"role": "user", "content": "Say hi."}], stop=[" "])
+    ends = [c.choices[0] for c in stream if c.choices and c.choices[0].finish_reason]
+    assert [(e.finish_reason, e.model_extra["stop_reason"]) for e in ends] == [("stop", " ")]
+
+
 def test_completions_stream(server):
     with server.client() as c, c.stream("POST", "/v1/completions", json={
             "prompt": ["1, 2, 3, 4,", "A, B, C, D,"], "max_tokens": 4, "temperature": 0, "stream": True}) as r:
