@@ -51,7 +51,7 @@ log = logging.getLogger("batchprompt")
 
 SHUT_DOWN = "the endpoint pool was shut down (LanguageModel.close(), pool.close() or bp.shutdown())"
 #: Tail hedging: once nothing is queued, an idle endpoint re-sends a sub-batch that has been in
-#: flight elsewhere for HEDGE_AFTER times the usual request time; the first answer wins and the
+#: flight elsewhere for HEDGE_AFTER times the usual request time (of its size); the first answer wins and the
 #: other request is cancelled (its connection closed: the server aborts it), so a slow endpoint
 #: never holds the end of a batch.
 HEDGE_AFTER = 1.25
@@ -79,6 +79,7 @@ class RemoteBackend:
         self._stats = EngineStats()
         self._no_endpoint_since: float | None = None
         self._request_s: float | None = None  # a successful request's usual time (smoothed)
+        self._token_s: float | None = None  # ... and its usual time per token it holds (smoothed)
         self.hedges = 0  # sub-batches sent again to an idle endpoint because they were late
         self._probes: dict[int, asyncio.Task] = {}
         self._delayed: dict[int, list[Work]] = {}  # works waiting out a backoff before their retry
@@ -323,10 +324,11 @@ class RemoteBackend:
         hedge; None: until kicked."""
         now = time.monotonic()
         if not self.queue:
-            unhedged = [sb.started for sb in self._flying if sb.twin is None and not sb.superseded]
+            unhedged = [sb.started + self._late_after(sb) for sb in self._flying
+                        if sb.twin is None and not sb.superseded]
             if not unhedged or self._request_s is None:
                 return None
-            return max(0.2, min(unhedged) + HEDGE_AFTER * self._request_s - now)
+            return max(0.2, min(unhedged) - now)
         ends = [e.backoff_until - now for e in self.endpoints if e.alive and e.backoff_until > now]
         return max(0.01, min(ends + [1.0]))
 
@@ -352,6 +354,7 @@ class RemoteBackend:
                 return
             if self._waits_for_another(head, candidates):
                 return
+            self.router.slack_tokens = self._affinity_slack()
             e = self.router.choose(head.item.token_ids, candidates, head.avoid)
             sb = self.queue.take(self._budget(e), self.pool.batch_prompts if self.pool.use_batch else 1)
             if sb is None:
@@ -376,7 +379,7 @@ class RemoteBackend:
             if not (e.has_room(now) and e.in_flight == 0):
                 continue
             late = [sb for sb in self._flying if sb.twin is None and not sb.superseded and sb.endpoint is not e
-                    and not sb.source.cancelled and now - sb.started > HEDGE_AFTER * usual]
+                    and not sb.source.cancelled and now - sb.started > self._late_after(sb)]
             if not late:
                 return
             old = min(late, key=lambda sb: sb.started)
@@ -387,6 +390,13 @@ class RemoteBackend:
             old.twin, twin.twin = twin, old
             self.hedges += 1
             self._launch(twin, e)
+
+    def _late_after(self, sb: SubBatch) -> float:
+        """How long a sub-batch may be in flight before it counts as late: HEDGE_AFTER times the
+        usual request time, or times what its size usually takes where that is longer (a quick
+        request of 3 prompts made a 27-prompt one look late, and it was sent again whole)."""
+        usual = max(self._request_s or 0.0, (self._token_s or 0.0) * sb.tokens)
+        return HEDGE_AFTER * usual
 
     def _budget(self, e: Endpoint) -> int:
         """Tokens for `e`'s next sub-batch: its share (by measured speed, else weight) of the
@@ -405,7 +415,19 @@ class RemoteBackend:
         remaining = self.queue.queued_tokens + sum(x.outstanding_tokens for x in alive)
         free_slots = max(1, int(e.limit) - e.in_flight)
         rest_of_share = remaining * share - e.outstanding_tokens
-        return min(self.pool.batch_tokens, max(self.pool.min_batch_tokens, int(rest_of_share / free_slots)))
+        # The floor is never more than the endpoint's share: a small job's first request took
+        # 1,024 tokens, most of it, and its other endpoints had little or nothing to do.
+        floor = min(self.pool.min_batch_tokens, max(1, int(remaining * share)))
+        return min(self.pool.batch_tokens, max(floor, int(rest_of_share / free_slots)))
+
+    def _affinity_slack(self) -> int:
+        """How many tokens more than the least loaded endpoint one may hold and still get a
+        sub-batch for its prefix: batch_tokens, or half a fair share of the work not yet
+        answered where that is less, so that a small job's shared system prompt does not draw
+        it all to the endpoint that got its first sub-batch."""
+        alive = [x for x in self.endpoints if x.alive] or self.endpoints
+        remaining = self.queue.queued_tokens + sum(x.outstanding_tokens for x in alive)
+        return min(self.pool.batch_tokens, int(remaining / (2 * len(alive))))
 
     def _launch(self, sb: SubBatch, e: Endpoint) -> None:
         sb.endpoint, sb.started = e, time.monotonic()
@@ -469,6 +491,8 @@ class RemoteBackend:
             return 0
         took = time.monotonic() - sb.started
         self._request_s = took if self._request_s is None else 0.8 * self._request_s + 0.2 * took
+        per = took / max(sb.tokens, 1)
+        self._token_s = per if self._token_s is None else 0.8 * self._token_s + 0.2 * per
         twin = sb.twin
         if twin is not None and twin.task is not None and not twin.task.done():
             twin.superseded = True  # this answer won: the other request is cancelled

@@ -101,6 +101,23 @@ def test_equal_endpoints_get_their_whole_share_in_the_first_requests(two_servers
         assert first_round == 4, stats
 
 
+def test_a_small_job_with_one_system_prompt_is_shared_and_computed_once(two_servers):
+    """The least sub-batch (min_batch_tokens, 1,024) let the first request take most of a small
+    job, and the prompts' shared system prompt drew the rest to the same endpoint (prefix
+    affinity): 27 of 30 prompts went to one server, which then looked late beside the other's
+    quick request, so they were sent again and computed twice (1.5x the tokens)."""
+    prompts = [f"Item {i}: say yes or no, then explain why in one long sentence." for i in range(30)]
+    before = [s.stats()["engine"]["generation_tokens"] for s in two_servers]
+    with pool_of([s.url for s in two_servers]) as pool:
+        lm = bp.LanguageModel.create(model=pool, max_tokens=16)
+        got = lm.batch_prompt(prompts)
+        stats = pool.endpoint_stats()
+    assert [r.error for r in got] == [None] * 30
+    generated = sum(s.stats()["engine"]["generation_tokens"] for s in two_servers) - sum(before)
+    assert min(e["prompts"] for e in stats) >= 10, stats
+    assert generated <= 1.15 * sum(r.usage.completion_tokens for r in got), (generated, stats)
+
+
 def test_cancel_answers_every_prompt(two_servers):
     with pool_of([s.url for s in two_servers], batch_tokens=64) as pool:
         lm = bp.LanguageModel.create(model=pool, max_tokens=64)
