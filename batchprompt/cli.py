@@ -228,17 +228,23 @@ def run_command(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(str(e))
     try:
+        if args.endpoints is not None and args.ray:  # before either starts (the pool waits for its servers)
+            raise ValueError("give --endpoints or --ray, not both")
         cluster = _ray_cluster(args)
-        pool = _endpoint_pool(args)
+        with sigterm_as_interrupt():  # Ctrl-C or SIGTERM while the pool waits for its servers
+            pool = _endpoint_pool(args)
         if pool is not None:
-            if cluster is not None:
-                raise ValueError("give --endpoints or --ray, not both")
             cluster, args.model = pool, pool.model  # the served model (also in the journal's fingerprint)
         # With --ray the device is the replicas' (checked there, where the GPUs are), not this machine's.
         device = _check_device(args.device) if cluster is None else args.device.strip().lower()
         engine_options = _engine_options(args, device if cluster is None else "auto")
     except ValueError as e:
         return _fail(str(e))
+    except KeyboardInterrupt as e:  # while the pool waited for its servers: nothing computed yet
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"\n{'stopped by SIGTERM' if signum == signal.SIGTERM else 'interrupted'} before any row ran "
+              f"(while waiting for the endpoints)", file=sys.stderr)
+        return _interrupted_exit(signum)
     opts = JobOptions(input=args.input, output=args.output, errors=args.errors, model=args.model,
                       system=args.system, max_tokens=args.max_tokens, temperature=args.temperature,
                       seed=args.seed, column=args.column, format=args.format, dry_run=args.dry_run,

@@ -15,10 +15,14 @@ the file, the line and the fix.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 from urllib.parse import urlsplit
+
+#: host:port, as a hostfile line gives an endpoint (a name, IPv4, or [IPv6]), with no file of that name
+HOST_PORT = re.compile(r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):\d{1,5}")
 
 
 class HostfileError(ValueError):
@@ -115,7 +119,7 @@ def endpoint_specs(endpoints: str | Path | Iterable[str | EndpointSpec]) -> list
     """A hostfile path, or a list of endpoints (strings in the hostfile's forms, or specs). A
     string that is a URL, or URLs joined by commas, is those endpoints, as vLLM's and OpenAI's
     users write a server: `http://127.0.0.1:8000/v1` (no file of that name is looked for)."""
-    if isinstance(endpoints, str) and "://" in endpoints:
+    if isinstance(endpoints, str) and ("://" in endpoints or _host_ports(endpoints)):
         return endpoint_specs([e.strip() for e in endpoints.split(",") if e.strip()] or [endpoints])
     if isinstance(endpoints, (str, Path)):
         return parse_hostfile(endpoints)
@@ -139,6 +143,12 @@ def endpoint_specs(endpoints: str | Path | Iterable[str | EndpointSpec]) -> list
             raise HostfileError(f"the endpoint {s.url} is listed twice: list each server once (weight=2 for more work)")
         seen.add(s.url)
     return out
+
+
+def _host_ports(text: str) -> bool:
+    """Whether `text` is host:port endpoints joined by commas (and no file of that name)."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    return bool(parts) and not Path(text).exists() and all(HOST_PORT.fullmatch(p) for p in parts)
 
 
 def _check_tags(tags: dict[str, str], where: str) -> None:

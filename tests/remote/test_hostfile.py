@@ -50,3 +50,15 @@ def test_a_url_or_urls_given_for_the_hostfile_are_the_endpoints():
         "http://127.0.0.1:8000", "https://llm.example.org"]
     with pytest.raises(HostfileError, match="not an http"):
         endpoint_specs("ftp://127.0.0.1:8000")
+
+
+def test_host_ports_given_for_the_hostfile_are_the_endpoints(tmp_path, monkeypatch):
+    """The hostfile's own form, `127.0.0.1:8000` (or several, comma-joined), was read as a file
+    name ("cannot read the hostfile 127.0.0.1:8000"); a file of that name is still a hostfile."""
+    assert [s.url for s in endpoint_specs("127.0.0.1:8000")] == ["http://127.0.0.1:8000"]
+    assert [s.url for s in endpoint_specs("gpu1:8000, [::1]:8001")] == ["http://gpu1:8000", "http://[::1]:8001"]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hosts:1").write_text("10.0.0.1:9000\n")
+    assert [s.url for s in endpoint_specs("hosts:1")] == ["http://10.0.0.1:9000"]
+    with pytest.raises(HostfileError, match="cannot read the hostfile hosts.txt"):
+        endpoint_specs("hosts.txt")

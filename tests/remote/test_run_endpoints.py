@@ -128,6 +128,33 @@ def test_give_up_after_needs_endpoints(tmp_path):
     assert not (tmp_path / "out.jsonl").exists()
 
 
+def test_endpoints_with_ray_are_refused_before_waiting_for_the_servers(tmp_path):
+    """--ray was ignored: the run waited give_up_after (120 s) for the endpoints, then failed."""
+    _write_input(tmp_path / "in.jsonl", 2)
+    p = _run(str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--ray", "--endpoints",
+             "http://127.0.0.1:9")
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 2 and "give --endpoints or --ray, not both" in err, err
+
+
+def test_ctrl_c_while_waiting_for_the_endpoints_is_one_line(tmp_path):
+    """It printed a KeyboardInterrupt traceback from the pool's wait."""
+    from batchprompt.server.process import free_port
+
+    _write_input(tmp_path / "in.jsonl", 2)
+    p = _run(str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--endpoints",
+             f"http://127.0.0.1:{free_port()}")
+    deadline = time.monotonic() + 120
+    err = ""
+    while "waiting up to" not in err:  # the pool's warning: no endpoint answers yet
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        err += p.stderr.readline()
+    p.send_signal(signal.SIGINT)
+    rest = p.communicate(timeout=60)[1]
+    assert p.returncode == 130, err + rest
+    assert "interrupted before any row ran (while waiting for the endpoints)" in rest and "Traceback" not in rest
+
+
 def test_rows_no_endpoint_answered_for_are_not_journaled_and_run_when_the_job_runs_again(proxy, tmp_path):
     """Every endpoint down past give_up_after: the rows fail (errors file, code not_run), but
     they are not the rows' fault: the journal keeps none of them, and the same job run again
