@@ -194,8 +194,10 @@ def test_a_failing_replica_factory_reaches_the_callers_and_prints_no_thread_trac
     assert hooked == []
 
 
-def test_a_cancelled_amany_takes_its_queued_items_off_the_queue():
-    """They stayed queued and ran for nobody, ahead of later calls."""
+@pytest.mark.parametrize("call, items", [("amany", [1, 2, 3, 4]), ("acall", 1)])
+def test_a_cancelled_async_call_takes_its_queued_items_off_the_queue(call, items):
+    """They stayed queued and ran for nobody, ahead of later calls (acall's after amany's were
+    taken off)."""
     rec = Recorder(hold_first=True)
     f = bp.dynamically(batch_size=2, timeout_ms=1)(rec)
 
@@ -203,7 +205,7 @@ def test_a_cancelled_amany_takes_its_queued_items_off_the_queue():
         first = asyncio.create_task(f.acall(0))  # runs, held
         while not rec.started.is_set():
             await asyncio.sleep(0.001)
-        gone = asyncio.create_task(f.amany([1, 2, 3, 4]))
+        gone = asyncio.create_task(getattr(f, call)(items))
         await asyncio.sleep(0.05)
         gone.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -212,28 +214,7 @@ def test_a_cancelled_amany_takes_its_queued_items_off_the_queue():
         return await first, await f.acall(5)
 
     assert asyncio.run(main()) == (0, 50)
-    assert rec.batches == [[0], [5]] and f.stats.withdrawn == 4
-
-
-def test_a_cancelled_acall_takes_its_queued_item_off_the_queue():
-    """It stayed queued and ran for nobody (amany's were taken off, acall's were not)."""
-    rec = Recorder(hold_first=True)
-    f = bp.dynamically(batch_size=2, timeout_ms=1)(rec)
-
-    async def main():
-        first = asyncio.create_task(f.acall(0))  # runs, held
-        while not rec.started.is_set():
-            await asyncio.sleep(0.001)
-        gone = asyncio.create_task(f.acall(1))
-        await asyncio.sleep(0.05)
-        gone.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await gone
-        rec.release.set()
-        return await first, await f.acall(5)
-
-    assert asyncio.run(main()) == (0, 50)
-    assert rec.batches == [[0], [5]] and f.stats.withdrawn == 1
+    assert rec.batches == [[0], [5]] and f.stats.withdrawn == (len(items) if call == "amany" else 1)
 
 
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit])
