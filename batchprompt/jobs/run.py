@@ -79,8 +79,9 @@ class JobSummary:
     not_run: int = 0  # rows that failed for want of a backend (not journaled: a resume runs them)
 
     def __str__(self) -> str:
-        rerun = ([f"{self.rows_rerun} rows were run again after a replica was lost (each is in the output once)"]
-                 if self.rows_rerun else [])
+        # They ran again, or failed as not_run where no replica was left: each is in one file, once.
+        rerun = ([f"{self.rows_rerun} rows were run again after a replica was lost (each row is in the output "
+                  f"or errors file once)"] if self.rows_rerun else [])
         not_run = ([f"{self.not_run} of the failed rows did not run for want of a backend (see the errors file): "
                     f"they are not journaled; run the same command again to run them"] if self.not_run else [])
         return "\n".join([self._headline(), *rerun, *not_run, *self.notes])

@@ -153,9 +153,12 @@ class RayCluster:
             ray.init(address=self.address, **options)
         except Exception as e:  # noqa: BLE001  (a wrong address, no cluster there, a version mismatch)
             where = f"the Ray cluster at {self.address}" if self.address else "a local Ray"
-            raise ClusterError(f"cannot connect to {where}: {type(e).__name__}: {str(e).strip()[:300]} (give "
-                               f"--address auto for the cluster `ray start` runs on this machine, or the head's "
-                               f"host:port)") from e
+            if (self.address or "").strip() == "auto":  # the hint below is what was given
+                hint = "no cluster runs here: run `ray start --head` first, or leave out --address for a local Ray"
+            else:
+                hint = "give --address auto for the cluster `ray start` runs on this machine, or the head's host:port"
+            raise ClusterError(f"cannot connect to {where}: {type(e).__name__}: {str(e).strip()[:300]} "
+                               f"({hint})") from e
         self._started_ray = True
 
     def _check_reachable(self) -> None:

@@ -40,6 +40,21 @@ def reference(job, tmp_path_factory):
     return answers(out), open(str(out) + ".errors.jsonl").read().count("\n")
 
 
+def test_address_auto_with_no_cluster_here_says_to_start_one(job, tmp_path, monkeypatch):
+    """Its hint was "give --address auto for the cluster `ray start` runs on this machine",
+    which is what the user had given. (First in the module: no Ray of its own runs yet.)"""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    p = batchprompt(job, "-o", str(tmp_path / "o.jsonl"), "--ray", "--address", "auto")
+    try:
+        _, err = p.communicate(timeout=180)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 2, err
+    assert "no cluster runs here: run `ray start --head` first" in err and "give --address auto" not in err, err
+
+
 def test_killed_driver_resumes_and_matches_a_local_run(local_ray, job, reference, tmp_path):
     out = tmp_path / "out.jsonl"
     ray_args = (job, "-o", str(out), "--ray", "--address", local_ray, "--replicas", "2", "--replica-cpus", "0.5")
@@ -109,3 +124,4 @@ def test_an_address_where_no_ray_listens_is_an_error_not_a_hang(job, tmp_path, a
     assert p.returncode == 2, err
     assert f"cannot reach the Ray cluster at {address}" in err and "ray start --head" in err, err
     assert "Traceback" not in err
+
