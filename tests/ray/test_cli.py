@@ -25,6 +25,16 @@ def batchprompt(*args: str, **kwargs) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **kwargs)
 
 
+def stderr_of(p: subprocess.Popen, timeout: float) -> str:
+    """The process's stderr once it exits (killed if it has not within `timeout`)."""
+    try:
+        return p.communicate(timeout=timeout)[1]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("job") / "in.jsonl", spam_lines(N, bad=(BAD,), long=(LONG,)))
@@ -45,12 +55,7 @@ def test_address_auto_with_no_cluster_here_says_to_start_one(job, tmp_path, monk
     which is what the user had given. (First in the module: no Ray of its own runs yet.)"""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     p = batchprompt(job, "-o", str(tmp_path / "o.jsonl"), "--ray", "--address", "auto")
-    try:
-        _, err = p.communicate(timeout=180)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
+    err = stderr_of(p, 180)
     assert p.returncode == 2, err
     assert "no cluster runs here: run `ray start --head` first" in err and "give --address auto" not in err, err
 
@@ -115,12 +120,7 @@ def test_an_address_where_no_ray_listens_is_an_error_not_a_hang(job, tmp_path, a
     for ever, printing only Ray's C++ log.)"""
     out = tmp_path / "o.jsonl"
     p = batchprompt(job, "-o", str(out), "--ray", "--address", address)
-    try:
-        _, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
+    err = stderr_of(p, 120)
     assert p.returncode == 2, err
     assert f"cannot reach the Ray cluster at {address}" in err and "ray start --head" in err, err
     assert "Traceback" not in err
