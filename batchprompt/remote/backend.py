@@ -412,7 +412,7 @@ class RemoteBackend:
             share = (e.rate or 0.0) / sum(rates)  # type: ignore[arg-type]
         else:
             share = e.weight / sum(x.weight for x in alive)
-        remaining = self.queue.queued_tokens + sum(x.outstanding_tokens for x in alive)
+        remaining = self._unanswered_tokens(alive)
         free_slots = max(1, int(e.limit) - e.in_flight)
         rest_of_share = remaining * share - e.outstanding_tokens
         # The floor is never more than the endpoint's share: a small job's first request took
@@ -426,8 +426,11 @@ class RemoteBackend:
         answered where that is less, so that a small job's shared system prompt does not draw
         it all to the endpoint that got its first sub-batch."""
         alive = [x for x in self.endpoints if x.alive] or self.endpoints
-        remaining = self.queue.queued_tokens + sum(x.outstanding_tokens for x in alive)
-        return min(self.pool.batch_tokens, int(remaining / (2 * len(alive))))
+        return min(self.pool.batch_tokens, int(self._unanswered_tokens(alive) / (2 * len(alive))))
+
+    def _unanswered_tokens(self, alive: list[Endpoint]) -> int:
+        """The work not yet answered, in tokens: queued, and in flight on the `alive` endpoints."""
+        return self.queue.queued_tokens + sum(x.outstanding_tokens for x in alive)
 
     def _launch(self, sb: SubBatch, e: Endpoint) -> None:
         sb.endpoint, sb.started = e, time.monotonic()
