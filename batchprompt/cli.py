@@ -230,6 +230,9 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         if args.endpoints is not None and args.ray:  # before either starts (the pool waits for its servers)
             raise ValueError("give --endpoints or --ray, not both")
+        if args.endpoints is not None and structured.get("choice_mode") == "score":  # before the pool's wait
+            raise ValueError("--choice-mode score needs the engine's label scoring, which OpenAI-compatible "
+                             "servers do not offer: leave --choice-mode out (decode) with --endpoints")
         cluster = _ray_cluster(args)
         with sigterm_as_interrupt():  # Ctrl-C or SIGTERM while the pool waits for its servers
             pool = _endpoint_pool(args)

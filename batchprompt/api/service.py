@@ -107,6 +107,9 @@ class EngineService:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    def refuses(self, params: SamplingParams) -> str | None:
+        return None  # the engine runs every option the API makes
+
     def stats(self, timeout: float | None = None) -> EngineStats:
         """A copy of the engine's counters, taken between steps (TimeoutError after `timeout`
         seconds, EngineStoppedError once stopped)."""

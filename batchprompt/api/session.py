@@ -114,6 +114,9 @@ class LanguageModel:
             raise TypeError(f"batch_prompt takes a list of prompts, got {type(prompts).__name__} {prompts!r:.40}; "
                             f"for one prompt give [prompt], or use a session's prompt()")
         params, spec = self.options.merged(options).sampling_params(self._service.tokenizer)
+        problem = self._service.refuses(params)
+        if problem:  # no row could run: refused once, as a bad option is (each row failed alone)
+            raise ValueError(problem)
         out = []
         limit = getattr(self._service, "max_model_len", None)
         for i, prompt in enumerate(prompts):

@@ -82,6 +82,10 @@ class Backend(Protocol):
 
     stop_reason: str | None
 
+    def refuses(self, params: SamplingParams) -> str | None:
+        """Why these parameters cannot run here (None: they can); asked before any work is sent,
+        so that an option no row can use is refused once, up front."""
+
     def submit(self, source: Source) -> None:
         """Queue `source`'s items; on a stopped backend each is answered at once."""
 

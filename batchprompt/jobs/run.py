@@ -482,6 +482,9 @@ class JobRun:
             spec = row_spec(row, self.opts)
             if spec is not None:
                 params = spec.sampling_params(params, tok)
+            problem = service.refuses(params)  # choice_mode "score" on a pool of endpoints, say
+            if problem:
+                raise ValueError(problem)
             code = "invalid_prompt"
             ids = render(row, tok, self.opts.system, service.max_model_len)
             # A max_tokens the row asks for must fit beside its prompt, as the server checks it;

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from ..api.callbacks import CallbackThread
 from ..backends.base import Item, Source, answer, stopped_output
-from ..engine import EngineStats, RequestOutput
+from ..engine import EngineStats, RequestOutput, SamplingParams
 from .blocks import block_size, cut
 from .replica import ReplicaInfo
 
@@ -128,6 +128,9 @@ class RayBackend:
     @property
     def max_model_len(self) -> int:
         return self._info.max_model_len
+
+    def refuses(self, params: SamplingParams) -> str | None:
+        return None  # each replica is a local engine
 
     @property
     def stopped(self) -> bool:

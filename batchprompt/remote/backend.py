@@ -101,6 +101,9 @@ class RemoteBackend:
     def max_model_len(self) -> int:
         return self._max_model_len or 1 << 30  # unknown: each server's own limit applies (its 400)
 
+    def refuses(self, params: SamplingParams) -> str | None:
+        return wire.unsupported(params)
+
     @property
     def stopped(self) -> bool:
         return self._stopping

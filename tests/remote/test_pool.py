@@ -145,8 +145,8 @@ def test_structured_output_goes_to_the_servers(two_servers, reference):
         assert people[0].text == reference(["Describe a person."], max_tokens=64, json_schema={
             "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
             "required": ["name", "age"]})[0]
-        scored = lm.batch_prompt(["Is it?"], choices=["yes", "no"], choice_mode="score")
-        assert scored[0].error and "choice_mode='decode'" in scored[0].error
+        with pytest.raises(ValueError, match="choice_mode='decode'"):  # once, before any row is sent
+            lm.batch_prompt(["Is it?"], choices=["yes", "no"], choice_mode="score")
 
 
 def test_a_model_the_endpoints_do_not_serve_is_a_clear_error(two_servers):

@@ -137,6 +137,35 @@ def test_endpoints_with_ray_are_refused_before_waiting_for_the_servers(tmp_path)
     assert p.returncode == 2 and "give --endpoints or --ray, not both" in err, err
 
 
+def test_choice_mode_score_with_endpoints_is_refused_before_waiting_for_the_servers(tmp_path):
+    """It waited for the servers, then failed every row alone."""
+    _write_input(tmp_path / "in.jsonl", 2)
+    p = _run(str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--choices", "yes,no",
+             "--choice-mode", "score", "--endpoints", "http://127.0.0.1:9")
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 2 and "--choice-mode score needs the engine's label scoring" in err, err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_row_asking_for_label_scoring_on_a_pool_fails_alone_before_it_is_sent(two_servers, tmp_path):
+    """The row was sent to the pool's backend and failed there, with the engine's code, not the
+    option's: now it is refused as a bad option is, naming its line."""
+    from batchprompt.jobs.run import JobOptions, run_job
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    body = {"messages": [{"role": "user", "content": "Is the sky blue?"}], "max_tokens": 4}
+    rows = [{"custom_id": "plain", "method": "POST", "url": "/v1/chat/completions", "body": body},
+            {"custom_id": "scored", "method": "POST", "url": "/v1/chat/completions",
+             "body": {**body, "guided_choice": ["yes", "no"], "choice_mode": "score"}}]
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pool_of([two_servers[0].url]) as pool:
+        summary = run_job(JobOptions(input=str(inp), output=str(out), progress=False, cluster=pool))
+    assert (summary.ok, summary.failed) == (1, 1), summary
+    [error] = [json.loads(x) for x in Path(str(out) + ".errors.jsonl").read_text().splitlines()]
+    assert error["custom_id"] == "scored" and error["error"]["code"] == "invalid_parameter", error
+    assert error["error"]["message"].startswith("line 2: choice_mode='score' needs the engine's label scoring")
+
+
 def test_ctrl_c_while_waiting_for_the_endpoints_is_one_line(tmp_path):
     """It printed a KeyboardInterrupt traceback from the pool's wait."""
     from batchprompt.server.process import free_port
