@@ -1,6 +1,7 @@
 """run_job: a file of prompts through the shared engine, journaled, resumable, in OpenAI's shapes."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -555,10 +556,16 @@ class JobRun:
         ok, answered = journal.counts()
         errors = answered - ok
         bar = None
+        redirect = contextlib.ExitStack()
         if self.opts.progress:
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
             bar = tqdm(total=total_rows, initial=answered, unit="row", dynamic_ncols=True, file=self.out,
                        smoothing=0.1)
+            # A warning while the bar shows (an endpoint down, a replica lost) gets a line of its
+            # own above the bar; it was written onto the bar's line.
+            redirect.enter_context(logging_redirect_tqdm(tqdm_class=tqdm))
             if errors:
                 bar.set_postfix_str(f"{errors} errors", refresh=False)
         batch = Batch(service, items)
@@ -600,6 +607,7 @@ class JobRun:
             batch.cancel()
             raise
         finally:
+            redirect.close()
             if bar is not None:
                 bar.close()
         journal.flush()

@@ -64,3 +64,37 @@ def test_scored_labels_come_with_their_probabilities(tmp_path, capsys):
     assert main(["run", str(csv_in), "-o", str(tmp_path / "d.csv"), "--format", "table", "--column", "text",
                  "--max-tokens", "1", "--no-progress"]) == 0
     assert "choice_probs" not in pyarrow.csv.read_csv(tmp_path / "d.csv").column_names  # no labels scored
+
+
+@pytest.mark.slow
+def test_a_warning_while_the_bar_shows_gets_a_line_of_its_own(tmp_path, monkeypatch):
+    """A warning (an endpoint down, a replica lost) was written onto the end of the bar's line."""
+    import logging
+    import re
+    import sys
+
+    from batchprompt.jobs import openai_io
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(chat_line(i, "Hello", max_tokens=1) + "\n" for i in range(3)))
+    shown = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", shown)
+    handler = logging.StreamHandler(sys.stderr)  # as logging.basicConfig makes it for the command
+    handler.setFormatter(logging.Formatter("batchprompt: %(levelname)s: %(message)s"))
+    real_answer = openai_io.answer
+
+    def answer(*args, **kwargs):  # a warning as each row finishes, while the bar is shown
+        logging.getLogger("batchprompt.remote").warning("endpoint http://127.0.0.1:9 is down")
+        return real_answer(*args, **kwargs)
+
+    monkeypatch.setattr(openai_io, "answer", answer)
+    logging.root.addHandler(handler)
+    try:
+        assert JobRun(JobOptions(str(inp), str(tmp_path / "o.jsonl")), shown).run().ok == 3
+    finally:
+        logging.root.removeHandler(handler)
+    text = shown.getvalue()
+    starts = [m.start() for m in re.finditer("batchprompt: WARNING: endpoint", text)]
+    assert len(starts) == 3, text
+    assert all(text[i - 1] in "\r\n" for i in starts), text  # the bar's line was cleared first
+    assert "3/3" in text[starts[-1]:], text  # then the bar again, to its end
