@@ -169,7 +169,8 @@ def add_ray_arguments(g) -> None:
                         "ray://host:port (default: RAY_ADDRESS, else a cluster `ray start` runs here, else a new local Ray)")
     g.add_argument("--replicas", type=int, default=None, metavar="N", help="engine replicas (default 1)")
     g.add_argument("--replica-cpus", type=float, default=None, metavar="C",
-                   help="CPUs per replica; also its torch threads (default 1)")
+                   help="CPUs Ray reserves per replica; also its torch threads, at least 1 (default 1; 0, as in "
+                        "Ray: reserve none, so replicas beyond the CPUs share them)")
     g.add_argument("--replica-gpus", type=float, default=None, metavar="G",
                    help="GPUs per replica (1: one replica per GPU; default 0)")
 

@@ -108,7 +108,12 @@ class RayBackend:
         self._thread.start()
         for slot in self._slots:
             self._probe(slot)
-        if not self._first_ready.wait(start_timeout_s):
+        try:
+            ready = self._first_ready.wait(start_timeout_s)
+        except BaseException:  # Ctrl-C while the replicas start: they get it too, and their end is ours
+            self.shutdown()
+            raise
+        if not ready:
             self.shutdown()
             from .cluster import ClusterError
             raise ClusterError(f"no Ray replica was ready within {start_timeout_s:.0f}s; the cluster may lack "

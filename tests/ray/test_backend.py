@@ -190,3 +190,25 @@ def test_replicas_that_cannot_start_give_an_error_not_a_hang(local_ray):
     assert len(outcome) == 1 and isinstance(outcome[0], ClusterError), outcome
     assert "no Ray replica was ready within 3s" in str(outcome[0])
     assert c.backends == []
+
+
+def test_ctrl_c_while_the_replicas_start_ends_the_backend(local_ray, caplog):
+    """Ctrl-C while the replicas started left the backend's dispatcher running: the replicas,
+    which a terminal's Ctrl-C reaches too, then died under it, and it warned "Ray replica 0 is
+    gone for good" after the user's own interrupt."""
+    import os
+    import signal
+
+    c = bp.RayCluster(replicas=1, replica_cpus=0.5, threads=1, start_timeout_s=600,
+                      replica_resources={"bp_no_such_resource": 1})  # never ready: the start waits
+    timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            bp.LanguageModel.create(cluster=c, dtype="float32")
+    finally:
+        timer.cancel()
+    wait_for(lambda: not any(t.name.startswith("batchprompt-dispatch-ray") for t in threading.enumerate()), 30,
+             "the backend's dispatcher to end")
+    assert c.backends == []
+    assert "gone for good" not in caplog.text
