@@ -137,6 +137,11 @@ def _check_ip(host: str) -> None:
         ipaddress.IPv4Address(host)
 
 
+#: A webhook posted as the server stops (the batch "cancelled") waits at most this long for its
+#: receiver: a receiver that never answers held the stop for the whole timeout (10 s by default).
+STOP_TIMEOUT_S = 3.0
+
+
 class Webhooks:
     """POSTs a finished batch to its callback_url, on the event loop (never on the engine's
     threads): a timeout per attempt, and retries with doubling waits on a network error, a 5xx,
@@ -157,7 +162,8 @@ class Webhooks:
             record["attempts"] = attempt
             try:
                 url, auth = _without_credentials(job.callback_url)  # as basic auth: httpx logs the URL
-                resp = await self._client.post(url, json=payload, timeout=self.timeout_s, auth=auth,
+                timeout = min(self.timeout_s, STOP_TIMEOUT_S) if self.stopping else self.timeout_s
+                resp = await self._client.post(url, json=payload, timeout=timeout, auth=auth,
                                                headers={"X-Batchprompt-Batch-Id": job.id})
                 if 200 <= resp.status_code < 300:
                     record.update(status="delivered", last_error=None)

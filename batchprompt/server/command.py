@@ -118,6 +118,7 @@ def _priority_options(args: argparse.Namespace) -> dict:
 
 #: How long a stopping server waits for its engine thread to end after the HTTP side has closed.
 ENGINE_STOP_S = 10.0
+HURRIED_STOP_S = 2.0  # after a second Ctrl-C
 
 
 def serve(config, log_level: str = "info") -> int:
@@ -152,18 +153,18 @@ def serve(config, log_level: str = "info") -> int:
     try:
         server.run()
     finally:
-        forced = _stop_engine(state.model_key, log)
-    return 130 if forced else 0
+        forced = _stop_engine(state.model_key, log, HURRIED_STOP_S if server.hurried else ENGINE_STOP_S)
+    return 130 if forced or server.hurried else 0
 
 
-def _stop_engine(model_key, log: logging.Logger) -> bool:
+def _stop_engine(model_key, log: logging.Logger, timeout: float = ENGINE_STOP_S) -> bool:
     """The engine's threads end and its memory is freed; an engine thread stuck in a step is not
     waited for beyond ENGINE_STOP_S (what finished is journaled already). A second Ctrl-C while
     this waits stops the wait (True), with one line instead of a traceback."""
     from ..api import shutdown
 
     try:
-        shutdown(model_key, timeout=ENGINE_STOP_S)
+        shutdown(model_key, timeout=timeout)
         return False
     except KeyboardInterrupt:
         log.warning("stopped at once by a second Ctrl-C: finished Batch API rows are journaled, and unfinished "

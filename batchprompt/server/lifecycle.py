@@ -28,6 +28,7 @@ class Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServerState):
         super().__init__(config)
         self.state = state
+        self.hurried = False  # a second Ctrl-C came: nothing waits for the engine any more
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -42,8 +43,17 @@ class Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def handle_exit(self, sig, frame) -> None:
-        if self.should_exit and sig == signal.SIGINT:  # a second Ctrl-C: stop waiting for anything
-            self.force_exit = True
+        if self.should_exit and sig == signal.SIGINT:
+            if self.hurried:  # a third: uvicorn's force quit (a request still waiting gets no answer)
+                self.force_exit = True
+            else:
+                # A second: every request still waiting answers 503 now, without waiting for the
+                # engine's step, and the app's shutdown still runs (uvicorn's force quit, which
+                # this was, skipped it and cut the requests in flight off with a 500).
+                self.hurried = True
+                log.warning("second Ctrl-C: requests in flight are answered now, without waiting for the engine "
+                            "(Ctrl-C again to quit at once)")
+                self.state.abandon_threadsafe()
         if not self.should_exit:
             threading.Thread(target=_exit_after, args=(SHUTDOWN_LIMIT_S,), name="batchprompt-stop-limit",
                              daemon=True).start()

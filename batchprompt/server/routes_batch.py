@@ -14,6 +14,7 @@ completion requests (never starved); a sync batch, whose client waits, runs besi
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 
@@ -29,7 +30,7 @@ from .batches import AsyncBatch, check_callback_url, redacted
 from .errors import ApiError
 from .responses import progress_json, result_json
 from .schemas import BatchRequest, read_json
-from .state import ServerState
+from .state import CANCEL_GRACE_S, SHUTTING_DOWN, ServerState
 
 router = APIRouter()
 _NOT_OPTIONS = ("prompts", "system", "model", "callback_url")
@@ -63,9 +64,55 @@ async def _prepare(request: Request, state: ServerState, body: dict, priority: i
             raise
 
     try:
-        return await asyncio.to_thread(build)
+        return await _unless_stopped(state, build)
     except (TypeError, ValueError) as e:  # an unknown option, a bad value, a bad system prompt
         raise ApiError(400, str(e), "invalid_parameter", refusals.param_named(str(e), body)) from None
+
+
+async def _unless_stopped(state: ServerState, build):
+    """`build()`'s (session, batch), made on a thread of its own: the session's system prompt waits
+    for the engine. A 503 if the server stops and the engine has not answered CANCEL_GRACE_S later,
+    or at once on a second Ctrl-C: a stuck engine held this request (and the stop) until uvicorn
+    gave up on it with a 500. The thread is a daemon, which the event loop's end does not wait
+    for; a session it makes after the 503 is destroyed."""
+    loop = asyncio.get_running_loop()
+    made: asyncio.Future = loop.create_future()
+
+    def settle(value, error) -> None:
+        if made.cancelled():
+            if error is None:
+                value[0].destroy()
+        elif error is None:
+            made.set_result(value)
+        else:
+            made.set_exception(error)
+
+    def run() -> None:
+        try:
+            value, error = build(), None
+        except BaseException as e:  # noqa: BLE001  (handed to the request, on the loop)
+            value, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, value, error)
+        except RuntimeError:  # the loop is gone: nobody waits for this session any more
+            if error is None:
+                value[0].destroy()
+
+    threading.Thread(target=run, name="batchprompt-prepare", daemon=True).start()
+    stop = asyncio.ensure_future(state.stopping.wait())
+    try:
+        await asyncio.wait({made, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if not made.done():
+            gone = asyncio.ensure_future(state.abandoned.wait())
+            await asyncio.wait({made, gone}, timeout=CANCEL_GRACE_S, return_when=asyncio.FIRST_COMPLETED)
+            gone.cancel()
+    finally:
+        stop.cancel()
+        if not made.done():
+            made.cancel()
+    if made.cancelled():
+        raise ApiError(503, SHUTTING_DOWN, "shutting_down")
+    return made.result()
 
 
 @router.post("/v1/batch/sync")

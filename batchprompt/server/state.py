@@ -22,7 +22,7 @@ from ..engine import EngineStats
 from ..models import resolve_model
 from ..models.loader import EMBEDDED_NAMES
 from .batch_api import BatchApi
-from .batches import BatchStore, Webhooks
+from .batches import STOP_TIMEOUT_S, BatchStore, Webhooks
 from .config import ServerConfig
 from .errors import ApiError
 
@@ -53,6 +53,7 @@ class ServerState:
         self._watch: asyncio.Future | None = None  # sets `abandoned` if that cancel takes too long
         self.cancelled: Counter[str] = Counter()  # requests cancelled, by reason (metrics)
         self.abandoned = asyncio.Event()  # set when a shutdown's cancel is not done in CANCEL_GRACE_S
+        self.stopping = asyncio.Event()  # set when the shutdown begins
         self._service: EngineService | None = None
         self._lock = threading.Lock()
         self._active: set[Batch] = set()  # batches of requests being answered (not async batches)
@@ -142,6 +143,17 @@ class ServerState:
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self.begin_shutdown)
 
+    def abandon_threadsafe(self) -> None:
+        """From a signal handler (a second Ctrl-C): answer every request in flight now, 503,
+        without waiting for the engine's step (as when it is stuck)."""
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._abandon)
+
+    def _abandon(self) -> None:
+        self.begin_shutdown()
+        self.abandoned.set()
+
     def begin_shutdown(self) -> asyncio.Future | None:
         """Refuse new work and cancel what is in flight, so that uvicorn's wait for open
         requests ends at once (each answers 503, or ends its stream with an error). Nothing here
@@ -150,6 +162,7 @@ class ServerState:
         if self.shutting_down:
             return self._cancelling
         self.shutting_down = True
+        self.stopping.set()
         with self._lock:
             active = list(self._active)
         if active:
@@ -187,7 +200,7 @@ async def _end_async_batches(state: ServerState) -> None:
     """Async batches live in memory: at a stop, each still running is cancelled, and its webhook
     is sent once (no retries), so that a receiver waiting for it learns that it ended
     ("cancelled", with the results that finished) rather than waiting forever. Bounded: the
-    cancels by CANCEL_GRACE_S, the posts by one attempt's timeout."""
+    cancels by CANCEL_GRACE_S, the posts by one attempt's timeout, at most STOP_TIMEOUT_S."""
     running = [job for job in state.batches.all() if job.finished_at is None]
     for job in running:
         job.cancel_asked = True
@@ -197,7 +210,7 @@ async def _end_async_batches(state: ServerState) -> None:
         await asyncio.wait(cancels, timeout=CANCEL_GRACE_S)
     tasks = [job.task for job in state.batches.all() if job.task is not None and not job.task.done()]
     if tasks:
-        _, late = await asyncio.wait(tasks, timeout=state.webhooks.timeout_s + 1)
+        _, late = await asyncio.wait(tasks, timeout=min(state.webhooks.timeout_s, STOP_TIMEOUT_S) + 1)
         for task in late:  # an engine stuck in a step, or a receiver that never answers
             task.cancel()
         if late:

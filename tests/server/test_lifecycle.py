@@ -184,6 +184,93 @@ def test_sigterm_exits_while_the_engine_is_stuck_in_a_step(tmp_path):
         stop_server(srv)
 
 
+def test_a_batch_whose_session_waits_for_a_stuck_engine_is_answered_at_a_stop(tmp_path):
+    """/v1/batch/sync's session waits for the engine to compute its system prompt: with the
+    engine stuck, a stop waited uvicorn's 30 s for it, answered 500, and the process lived on to
+    the 90 s limit (exit 1), its loop waiting for the thread that made the session."""
+    stall = tmp_path / "stall"
+    srv = start_server(tmp_path, module="tests.server.faulty_server", env={"STALL_FILE": str(stall)})
+    try:
+        stall.touch()
+        answers = {}
+
+        def ask():
+            with srv.client(timeout=120) as c:
+                answers["r"] = c.post("/v1/batch/sync", json={"prompts": ["Hi"], "system": "Be brief.",
+                                                              "max_tokens": 4})
+
+        t = threading.Thread(target=ask)
+        t.start()
+        time.sleep(3)
+        started = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        t.join(60)
+        assert not t.is_alive()
+        assert answers["r"].status_code == 503 and error_of(answers["r"])["code"] == "shutting_down", answers["r"].text
+        assert srv.proc.wait(STOP_TIMEOUT_S) == 0, srv.output()[-3000:]
+        assert time.monotonic() - started < 40 and "Traceback" not in srv.output(), srv.output()[-3000:]
+    finally:
+        stop_server(srv)
+
+
+def test_a_webhook_receiver_that_never_answers_holds_a_stop_for_seconds_at_most(tmp_path):
+    """An async batch still running at a stop posts its "cancelled" webhook once; a receiver that
+    accepted the connection and never answered held the stop for the whole webhook timeout."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        srv = start_server(tmp_path)
+        try:
+            with srv.client() as c:
+                r = c.post("/v1/batch/async", json={"prompts": ["Letters:"] * 4, "max_tokens": 2000,
+                                                    "regex": "[ab]{2000}",
+                                                    "callback_url": f"http://127.0.0.1:{silent.getsockname()[1]}/"})
+            assert r.status_code == 202, r.text
+            srv.wait_until(lambda s: s["engine"]["running"] >= 1, "the batch reached the engine")
+            started = time.monotonic()
+            srv.proc.send_signal(signal.SIGTERM)
+            assert srv.proc.wait(STOP_TIMEOUT_S) == 0, srv.output()[-3000:]
+            took = time.monotonic() - started
+        finally:
+            stop_server(srv)
+        silent.settimeout(1)
+        silent.accept()[0].close()  # the webhook did come
+    assert took < 9, took  # the cancel, then the post's 3 s at most (it waited its whole timeout, 10 s)
+
+
+def test_a_second_ctrl_c_answers_the_requests_in_flight_at_once(tmp_path):
+    """uvicorn's force quit, which a second Ctrl-C was, cut the requests still waiting off with a
+    500 (text/plain) and logged CancelledError tracebacks. Now they are answered 503 in OpenAI's
+    shape at once, without waiting for the engine's step (stuck here), and the exit is 130."""
+    stall = tmp_path / "stall"
+    srv = start_server(tmp_path, module="tests.server.faulty_server", env={"STALL_FILE": str(stall)})
+    try:
+        stall.touch()
+        answers = {}
+
+        def ask():
+            with srv.client(timeout=120) as c:
+                answers["r"] = c.post("/v1/completions", json={"prompt": ["Hi", "Hello"], "max_tokens": 4})
+
+        t = threading.Thread(target=ask)
+        t.start()
+        time.sleep(3)  # the request is in the engine's stuck step by now
+        srv.proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        started = time.monotonic()
+        srv.proc.send_signal(signal.SIGINT)
+        t.join(30)
+        assert not t.is_alive()
+        assert time.monotonic() - started < 4  # the first Ctrl-C alone waits CANCEL_GRACE_S (5 s)
+        assert answers["r"].status_code == 503 and error_of(answers["r"])["code"] == "shutting_down", answers["r"].text
+        assert srv.proc.wait(STOP_TIMEOUT_S) == 130, srv.output()[-3000:]
+        assert "Traceback" not in srv.output() and "second Ctrl-C" in srv.output(), srv.output()[-3000:]
+    finally:
+        stop_server(srv)
+
+
 def test_a_second_ctrl_c_while_the_engine_stops_is_one_line_and_exit_130(monkeypatch, caplog):
     """A second Ctrl-C that came while the server waited for its engine to stop (uvicorn's
     signal handlers are gone by then) printed a KeyboardInterrupt traceback."""
