@@ -203,6 +203,9 @@ class BatchApi:
                                     f"being written", "batch_ended", "batch_id")
             if job.stop("cancelled") and batch["status"] != "cancelling":
                 batch = self.view(await self.update(batch_id, status="cancelling", cancelling_at=int(time.time())))
+        # The requests this answer counts as finished are kept whatever comes next: a kill -9 just
+        # after the cancel lost those not committed yet, and a cancelled batch never runs them again.
+        await job.commit()
         # As OpenAI answers: `cancelling` at once; the batch turns `cancelled` once its requests
         # in flight are stopped and its files are written (a poll sees it).
         return batch

@@ -79,6 +79,12 @@ class BatchJob:
             batch.request_cancel()
         return True
 
+    async def commit(self) -> None:
+        """Make every request journaled so far durable now (it is, at the latest, FLUSH_EVERY_S
+        later)."""
+        if self._journal is not None:
+            await self.api.io(self._journal.flush)
+
     # ---- the run -------------------------------------------------------------------------------
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

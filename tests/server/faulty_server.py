@@ -5,7 +5,9 @@ set by environment variables, so a test can see what a batch does then:
 - HOLD_AFTER_COMPUTE=1: a batch whose requests have all run waits until a second after its
   completion window ended before it writes its outputs (a slow machine's stand-in);
 - STALL_FILE=PATH: once PATH exists, the engine's next step never returns (a kernel that hangs,
-  or a step far longer than any wait, stands in)."""
+  or a step far longer than any wait, stands in);
+- RARE_COMMITS=1: a batch journal commits only when asked to (not every half second nor every
+  64 rows), so that what a kill -9 finds uncommitted is a test's choice."""
 import asyncio
 import os
 import time
@@ -50,4 +52,15 @@ if os.environ.get("HOLD_AFTER_COMPUTE"):
     BatchJob._compute = compute_then_hold
 if STALL_FILE:
     LLMEngine.step = step_or_stall
+if os.environ.get("RARE_COMMITS"):
+    import batchprompt.server.batch_job as batch_job
+
+    _init = Journal.__init__
+
+    def init_rarely_committed(self, *args, **kwargs):
+        _init(self, *args, **kwargs)
+        self.commit_every, self.commit_seconds = 10**9, 24 * 3600
+
+    Journal.__init__ = init_rarely_committed
+    batch_job.FLUSH_EVERY_S = 24 * 3600
 raise SystemExit(main())

@@ -86,3 +86,38 @@ def test_a_batch_resumes_after_a_restart_and_runs_only_what_was_not_journaled(tm
         assert p.returncode == 2 and "is in use by another batchprompt server" in p.stderr, p.stderr
     finally:
         assert stop_server(srv) == 0, srv.output()
+
+
+def test_the_requests_a_cancel_counts_as_finished_outlive_a_kill_9(tmp_path):
+    """A cancel answered with the requests finished so far, some not committed yet: a kill -9
+    just after it lost those, and the batch, cancelled, never ran them again (the error file
+    said "cancelled before this request ran"). The cancel now commits before it answers. (The
+    journal here commits only when asked, so the old code lost every one of them.)"""
+    data = tmp_path / "data"
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    first_dir.mkdir(), second_dir.mkdir()
+    srv = start_server(first_dir, "--data-dir", str(data), module="tests.server.faulty_server",
+                       env={"RARE_COMMITS": "1"})
+    try:
+        client = srv.openai()
+        quick = [completion_line(f"q{i}", f"Item {i}:", 2) for i in range(4)]
+        f = upload(client, quick + [long_line("long0", 3000)])
+        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        deadline = time.monotonic() + 300
+        while strict_batch(client, batch.id).request_counts.completed < 4:
+            assert time.monotonic() < deadline, "the quick requests did not finish within 300s"
+            time.sleep(0.1)
+        answered = client.batches.cancel(batch.id)
+        assert answered.status == "cancelling" and answered.request_counts.completed == 4
+    finally:
+        srv.proc.send_signal(signal.SIGKILL)
+        srv.proc.wait(STOP_TIMEOUT_S)
+    srv = start_server(second_dir, "--data-dir", str(data))
+    try:
+        client = srv.openai()
+        done = wait_ended(client, batch.id, timeout=300)
+        assert done.status == "cancelled", done
+        assert done.request_counts.model_dump() == {"total": 5, "completed": 4, "failed": 1}
+        assert [x["custom_id"] for x in lines_of(client, done.output_file_id)] == [f"q{i}" for i in range(4)]
+    finally:
+        assert stop_server(srv) == 0, srv.output()
