@@ -52,7 +52,7 @@ class BatchApi:
     async def update(self, batch_id: str, **changes: Any) -> dict[str, Any]:
         batch = await asyncio.to_thread(self.store.update_batch, batch_id, **changes)
         if "status" in changes:  # one log line per change of state, with its counts
-            log.info("batch %s %s%s", batch_id, changes["status"], state_detail(batch))
+            log.info("batch %s %s%s", batch_id, changes["status"], state_detail(self.view(batch)))
         return batch
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -64,14 +64,15 @@ class BatchApi:
                 log.warning("batch %s was made for the model %s, not %s: it resumes when a server with that "
                             "model uses this --data-dir", batch["id"], batch.get("model"), self.state.model_id)
                 continue
-            log.info("batch %s resumes (%s%s)", batch["id"], batch["status"], state_detail(batch, inner=True))
-            self._spawn(batch)
+            # Its counts as of its last change of state: those of the journal are logged once it is read.
+            log.info("batch %s resumes (%s)", batch["id"], batch["status"])
+            self._spawn(batch, resumed=True)
             resumed += 1
         if resumed:
             log.info("resuming %d unfinished batch(es) from %s", resumed, self.dir.root)
 
-    def _spawn(self, batch: dict[str, Any]) -> None:
-        job = BatchJob(self, batch)
+    def _spawn(self, batch: dict[str, Any], resumed: bool = False) -> None:
+        job = BatchJob(self, batch, resumed)
         self.jobs[job.id] = job
         job.task = asyncio.ensure_future(job.run())
         job.task.add_done_callback(lambda _: self.jobs.pop(job.id, None))

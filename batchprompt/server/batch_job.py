@@ -56,8 +56,9 @@ class Counts:
 
 
 class BatchJob:
-    def __init__(self, api: "BatchApi", batch: dict[str, Any]):
+    def __init__(self, api: "BatchApi", batch: dict[str, Any], resumed: bool = False):
         self.api, self.id = api, batch["id"]
+        self.resumed = resumed  # begun by a server's start, after an earlier run of it stopped
         self.batch = batch  # as it was when the job began (the store has the current one)
         self.counts = Counts()
         self.ending: str | None = None  # "cancelled" or "expired": the run stops early, and why
@@ -182,6 +183,10 @@ class BatchJob:
             fingerprint = f"{self.id}:{self.batch['input_file_id']}"
             self._journal = await self.api.io(lambda: Journal(path, fingerprint, job_id=self.id))
             await self.api.io(self._load_counts, self._journal)
+            c = self.counts
+            if self.resumed and c.completed + c.failed:
+                log.info("batch %s: %d requests journaled before the restart (%d completed, %d failed) are kept, "
+                         "not run again", self.id, c.completed + c.failed, c.completed, c.failed)
         return self._journal
 
     def _load_counts(self, journal: Journal) -> None:
@@ -301,7 +306,7 @@ def _errors(data: list[dict[str, Any]]) -> dict[str, Any]:
     return {"object": "list", "data": data}
 
 
-def state_detail(batch: dict[str, Any], inner: bool = False) -> str:
+def state_detail(batch: dict[str, Any]) -> str:
     """What a log line says beside a batch's state: its counts, or why it failed."""
     if batch.get("status") == "failed" and batch.get("errors"):
         data = (batch["errors"] or {}).get("data") or []
@@ -311,4 +316,4 @@ def state_detail(batch: dict[str, Any], inner: bool = False) -> str:
     if not c.get("total"):
         return ""
     counts = f"{c.get('completed', 0)} completed, {c.get('failed', 0)} failed of {c['total']} requests"
-    return f", {counts}" if inner else f" ({counts})"
+    return f" ({counts})"

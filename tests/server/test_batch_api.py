@@ -32,7 +32,7 @@ def client(server):
     return server.openai()
 
 
-def test_round_trip(client):
+def test_round_trip(server, client):
     lines = [chat_line(f"q{i}", f"Name a colour, {i}.") for i in range(4)]
     lines.insert(2, chat_line("empty", "x", messages=[]))  # a request whose body is wrong: its own error
     f = upload(client, lines, "colours.jsonl")
@@ -63,6 +63,10 @@ def test_round_trip(client):
                                                 "code": "invalid_messages"}  # the endpoint's words: no line number
     meta = client.files.retrieve(batch.output_file_id)
     assert meta.purpose == "batch_output" and meta.bytes == len(client.files.content(batch.output_file_id).content)
+    # The log's counts are the batch's (finalizing said 0 completed, 0 failed).
+    log = server.output()
+    for state in ("finalizing", "completed"):
+        assert f"batch {batch.id} {state} (4 completed, 1 failed of 5 requests)" in log, state
 
 
 def test_completions_endpoint_with_choices_and_logprobs(client):

@@ -68,6 +68,11 @@ def test_a_batch_resumes_after_a_restart_and_runs_only_what_was_not_journaled(tm
         client = srv.openai()
         assert client.batches.list().data[0].id == batch.id  # the records outlived the process
         done = wait_ended(client, batch.id, timeout=600)
+        # The log says how many requests the journal kept (it said "0 completed": the counts of
+        # the batch's last change of state, before any request ran).
+        assert f"batch {batch.id} resumes (in_progress)" in srv.output()
+        assert (f"batch {batch.id}: {len(before)} requests journaled before the restart ({len(before)} completed, "
+                f"0 failed) are kept, not run again") in srv.output(), srv.output()[-3000:]
         assert done.status == "completed", done
         assert done.request_counts.model_dump() == {"total": total, "completed": total, "failed": 0}
         assert done.created_at == batch.created_at and done.input_file_id == f.id
