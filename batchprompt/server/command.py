@@ -85,7 +85,9 @@ def run(args: argparse.Namespace) -> int:
         engine_options = _engine_options(args, device)  # --max-model-len, --max-num-seqs, --kv-cache-memory
         engine_options.update(_priority_options(args))
         config = ServerConfig(model=args.model, host=args.host, port=args.port,
-                              api_key=args.api_key or os.environ.get("BATCHPROMPT_API_KEY") or None,
+                              # --api-key "" (a variable that is not set, say) is refused, not taken as no key
+                              api_key=args.api_key if args.api_key is not None else
+                              os.environ.get("BATCHPROMPT_API_KEY") or None,
                               data_dir=args.data_dir, device=device, dtype=args.dtype, engine_options=engine_options,
                               max_body_bytes=args.max_body_bytes, batch_retention_s=args.batch_retention,
                               max_batches=args.max_batches, max_file_bytes=args.max_file_bytes,

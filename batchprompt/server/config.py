@@ -41,7 +41,9 @@ class ServerConfig:
         _check(self.batch_retention_s > 0, f"--batch-retention must be > 0 seconds, got {self.batch_retention_s}")
         _check(self.max_batches >= 1, f"--max-batches must be >= 1, got {self.max_batches}")
         _check(self.max_file_bytes >= 1024, f"--max-file-bytes must be at least 1024, got {self.max_file_bytes}")
-        _check(self.api_key is None or self.api_key.strip() != "", "--api-key (or $BATCHPROMPT_API_KEY) must not be blank")
+        _check(self.api_key is None or self.api_key.strip() != "",
+               "--api-key (or $BATCHPROMPT_API_KEY) must not be blank: give the key (a shell variable given to it "
+               "may be unset), or leave --api-key out to serve without one")
         _check(self.webhook_attempts >= 1, "webhook_attempts must be >= 1")
         for origin in self.allowed_origins:
             _check(origin == "*" or (origin.startswith(("http://", "https://")) and origin.count("/") == 2),

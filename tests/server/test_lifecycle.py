@@ -94,6 +94,7 @@ def test_bad_options_exit_2_before_loading(tmp_path):
                         (["--device", "tpu"], "--device tpu: not a device"),
                         (["--max-model-len", "1"], "--max-model-len must be >= 2"),
                         (["--allowed-origins", "localhost:3000"], "--allowed-origins takes '*' or origins"),
+                        (["--api-key", ""], "--api-key (or $BATCHPROMPT_API_KEY) must not be blank"),  # no key at all
                         ([], "$BATCHPROMPT_API_KEY) must not be blank")):
         p = subprocess.run([sys.executable, "-m", "batchprompt.server", *args], capture_output=True, text=True,
                            timeout=300, env=env if not args else None)
