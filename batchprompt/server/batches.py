@@ -99,18 +99,22 @@ class BatchStore:
 
 
 def check_callback_url(url: Any) -> str:
+    why = "must be an http:// or https:// URL with a host"
     try:  # urlsplit refuses "http://[::1", its port "http://h:99999"; httpx a NUL or a bad IP address
         parts = urlsplit(url) if isinstance(url, str) else None
         ok = parts is not None and parts.scheme in ("http", "https") and bool(parts.hostname)
         if ok:
-            parts.port  # noqa: B018 - raises ValueError when out of range
+            try:
+                parts.port  # noqa: B018 - raises ValueError when out of range
+            except ValueError:
+                why = "has a port that is not a number from 0 to 65535"
+                raise
             httpx.URL(url)
             _check_ip(parts.hostname)
     except (ValueError, httpx.InvalidURL):
         ok = False
     if not ok:
-        raise ApiError(400, f"callback_url must be an http:// or https:// URL with a host, got {url!r}",
-                       "invalid_callback_url", "callback_url")
+        raise ApiError(400, f"callback_url {why}, got {url!r}", "invalid_callback_url", "callback_url")
     return url
 
 

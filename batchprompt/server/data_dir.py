@@ -33,6 +33,9 @@ class DataDir:
         self.files = self.root / "files"
         self.batches = self.root / "batches"
         self.meta = self.root / "meta.sqlite"
+        if self.root.exists() and not self.root.is_dir():  # it said "cannot create it (File exists)"
+            raise DataDirError(f"--data-dir {self.root}: this is a file, not a directory; give a directory "
+                               f"(it is made if missing)")
         try:
             for folder in (self.root, self.files, self.batches):
                 folder.mkdir(parents=True, exist_ok=True)

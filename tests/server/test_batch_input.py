@@ -131,6 +131,20 @@ def test_one_server_per_data_dir(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(DataDirError, match="cannot create it"):
         DataDir(tmp_path / "file" / "d")
+    with pytest.raises(DataDirError, match="this is a file, not a directory"):  # it said "cannot create it"
+        DataDir(tmp_path / "file")
+
+
+def test_a_callback_url_with_a_bad_port_is_told_so():
+    """It was told to be "an http:// or https:// URL with a host", which it was."""
+    from batchprompt.server.batches import check_callback_url
+    from batchprompt.server.errors import ApiError
+
+    with pytest.raises(ApiError, match="callback_url has a port that is not a number from 0 to 65535"):
+        check_callback_url("http://127.0.0.1:99999/x")
+    with pytest.raises(ApiError, match="callback_url must be an http:// or https:// URL with a host"):
+        check_callback_url("ftp://example.com/x")
+    assert check_callback_url("http://127.0.0.1:8080/x") == "http://127.0.0.1:8080/x"
 
 
 def test_a_line_without_url_says_it_needs_one():
