@@ -83,7 +83,8 @@ class SamplingParams:
                and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):  # "no" was taken as true
+            _check(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         # NaN compares false with everything and inf passes ">= 0", so finiteness is its own test
@@ -176,7 +177,10 @@ def _logit_bias(bias) -> dict[int, float] | None:
     except TypeError:
         pairs = None
     _check(pairs is not None, f"logit_bias must map token ids to numbers, got {bias!r}")
-    for key, value in pairs:
+    for pair in pairs:  # a list of numbers failed with a TypeError, read as a bug of batchprompt's
+        _check(isinstance(pair, (tuple, list)) and len(pair) == 2,
+               f"logit_bias must map token ids to numbers ({{\"50256\": -100}}), got {bias!r:.80}")
+        key, value = pair
         tid = key
         if isinstance(key, str):
             tid = int(key) if key.strip().lstrip("-").isdigit() else None

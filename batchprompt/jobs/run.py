@@ -283,11 +283,9 @@ def row_params(row: Row, opts: JobOptions) -> tuple[SamplingParams, int]:
     n = _given(b.get("n"), 1)
     if not isinstance(n, int) or not 1 <= n <= 128:
         raise ValueError(f"n must be an integer from 1 to 128, got {n!r}")
+    # As given: SamplingParams takes null, a string or a list of strings, and refuses the rest
+    # by name ({"a": 1} was read as ["a"], and 5 failed as a bug of batchprompt's).
     stop = b.get("stop")
-    if stop is None:
-        stop = ()
-    elif isinstance(stop, str):  # "" is refused below, as in vLLM (it was taken as no stop)
-        stop = (stop,)
     logprobs, top = _logprobs(row)
     extra = {k: b[k] for k in SAMPLING_FIELDS if b.get(k) is not None}
     best_of = extra.get("best_of")
@@ -296,7 +294,7 @@ def row_params(row: Row, opts: JobOptions) -> tuple[SamplingParams, int]:
                          f"give n alone, or best_of with n = 1")
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=_given(b.get("top_p"), 1.0),
-        seed=seed, stop=tuple(stop), logprobs=logprobs, top_logprobs=top, **extra)
+        seed=seed, stop=stop, logprobs=logprobs, top_logprobs=top, **extra)
     return params, n
 
 
@@ -311,6 +309,9 @@ def _logprobs(row: Row) -> tuple[bool, int]:
         if not (isinstance(lp, int) and 0 <= lp <= MAX_TOP_LOGPROBS):  # SamplingParams would name top_logprobs
             raise ValueError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} (true: 1), got {lp!r}")
         return True, lp
+    if lp is not None and not isinstance(lp, bool):  # "yes" was taken as true
+        raise ValueError(f"logprobs must be true or false on {CHAT} (top_logprobs: how many alternatives), "
+                         f"got {lp!r}")
     if top and not lp:
         raise ValueError("top_logprobs needs logprobs: true")
     return bool(lp), top

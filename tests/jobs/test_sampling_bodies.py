@@ -46,10 +46,27 @@ def test_completion_logprobs_k_means_top_k():
     ({"logit_bias": {"7": 500}}, "logit_bias values must be numbers from -100 to 100"),
     ({"best_of": 3, "n": 2}, "best_of other than n is supported only with n = 1 \\(got n=2, best_of=3\\)"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be an integer from 0 to 20"),
+    # A TypeError, taken for a bug of batchprompt's: the row was never journaled, and the job
+    # could not end.
+    ({"stop": 5}, "stop must be a string or a list of strings, got 5"),
+    ({"stop": True}, "stop must be a string or a list of strings, got True"),
+    ({"logit_bias": [1, 2]}, "logit_bias must map token ids to numbers"),
+    # Taken without a word: {"a": 1} as the stop string "a", "yes" and "no" as true.
+    ({"stop": {"a": 1}}, "stop must be a string or a list of strings"),
+    ({"logprobs": "yes"}, "logprobs must be true or false on /v1/chat/completions"),
+    ({"include_stop_str_in_output": "no"}, "include_stop_str_in_output must be true or false, got 'no'"),
 ])
 def test_bad_sampling_fields_fail_the_row(body, match):
     with pytest.raises(ValueError, match=match):
         row_params(row(CHAT, **body), OPTS)
+
+
+def test_stop_as_a_completion_rows_list_or_string():
+    assert row_params(row(COMPLETION, stop="\n"), OPTS)[0].stop == ("\n",)
+    assert row_params(row(COMPLETION, stop=["a", "b"]), OPTS)[0].stop == ("a", "b")
+    assert row_params(row(COMPLETION, stop=None), OPTS)[0].stop == ()
+    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+        row_params(row(COMPLETION, stop=""), OPTS)
 
 
 @pytest.mark.parametrize("value", [21, -1, 2.5, "3"])
