@@ -45,6 +45,7 @@ class Journal:
             self.db = sqlite3.connect(str(self.path), isolation_level=None)
         except sqlite3.OperationalError as e:
             raise StorageError.from_sqlite(self.path, e) from None
+        self._check_is_a_journal()
         with self._writing():
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=FULL")
@@ -52,6 +53,11 @@ class Journal:
             self.db.execute("CREATE TABLE IF NOT EXISTS rows (line INTEGER PRIMARY KEY, custom_id TEXT, "
                             "ok INTEGER NOT NULL, record TEXT NOT NULL, "
                             "prompt_tokens INTEGER NOT NULL DEFAULT 0, completion_tokens INTEGER NOT NULL DEFAULT 0)")
+        if self.get("fingerprint") is None and not restart and not self.empty():  # its meta table was lost
+            self.db.close()
+            raise JournalMismatch(f"the journal {self.path} holds rows but no record of the job they belong to "
+                                  f"(damaged, or not made by batchprompt): give another --journal, or --restart to "
+                                  f"start over")
         other = self.get("fingerprint") not in (None, fingerprint)  # begun for another input or options
         if other and not restart and not self.empty():
             changed = self._changed(settings)
@@ -75,6 +81,21 @@ class Journal:
         self.set("job_id", self.job_id)
         self.commit_every, self.commit_seconds = commit_every, commit_seconds
         self._last_commit = time.monotonic()
+
+    def _check_is_a_journal(self) -> None:
+        """A file that is not SQLite, or a database of something else, is refused, not written
+        into (a traceback, or tables added to the user's own database)."""
+        try:
+            tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        except sqlite3.DatabaseError as e:
+            self.db.close()
+            raise JournalMismatch(f"{self.path} is not a batchprompt journal ({e}): give another --journal, or "
+                                  f"move that file away") from None
+        foreign = sorted(tables - {"meta", "rows"})
+        if foreign:
+            self.db.close()
+            raise JournalMismatch(f"{self.path} is a database with other tables ({', '.join(foreign[:5])}), not a "
+                                  f"batchprompt journal: give another --journal")
 
     def empty(self) -> bool:
         """No row recorded, pending ones included: a run that stopped before any row (a bad option

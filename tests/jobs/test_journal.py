@@ -138,3 +138,36 @@ def test_an_empty_journal_of_other_options_is_taken_over_one_with_rows_is_not(tm
     j.close()
     with pytest.raises(JournalMismatch):
         Journal(path, "fp1")
+
+
+def test_a_file_that_is_not_a_journal_is_refused_not_written_into(tmp_path):
+    """A text file gave a sqlite3.DatabaseError traceback; another program's database got the
+    journal's tables added to it; a journal whose meta table was lost was taken for any job."""
+    import sqlite3
+
+    text = tmp_path / "notes.jsonl.journal"
+    text.write_text("my notes\n")
+    with pytest.raises(JournalMismatch, match=r"notes.jsonl.journal is not a batchprompt journal \(file is not a "
+                                              r"database\): give another --journal"):
+        Journal(text, "fp")
+    assert text.read_text() == "my notes\n"
+    theirs = tmp_path / "theirs.sqlite"
+    with sqlite3.connect(theirs) as db:
+        db.execute("CREATE TABLE customers (name TEXT)")
+    db.close()
+    with pytest.raises(JournalMismatch, match=r"is a database with other tables \(customers\), not a batchprompt "
+                                              r"journal"):
+        Journal(theirs, "fp")
+    with sqlite3.connect(theirs) as db:
+        assert [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")] == ["customers"]
+    db.close()
+    damaged = tmp_path / "damaged.journal"
+    j = Journal(damaged, "job-a")
+    j.record(1, "a", True, {"x": 1})
+    j.close()
+    with sqlite3.connect(damaged) as db:
+        db.execute("DROP TABLE meta")
+    db.close()
+    with pytest.raises(JournalMismatch, match="holds rows but no record of the job they belong to"):
+        Journal(damaged, "job-b")
+    assert Journal(damaged, "job-b", restart=True).empty()
