@@ -411,7 +411,8 @@ class JobRun:
         summary = JobSummary(rows=len(table.rows), notes=table.notes())
         done = journal.done_lines()
         summary.resumed = len(done)
-        if journal.get("complete") == "1" and len(done) == len(table.rows) and self._outputs_exist(errors_path):
+        if (journal.get("complete") == "1" and len(done) == len(table.rows)
+                and self._outputs_match(journal, errors_path)):
             summary.ok, _ = journal.counts()
             summary.failed = summary.rows - summary.ok
             summary.already_complete = True
@@ -468,9 +469,17 @@ class JobRun:
             journal.set("complete", "1")  # only now: a failed write leaves the job to finish next time
         return summary
 
-    def _outputs_exist(self, errors_path: str | None) -> bool:
-        return self.opts.output == "-" or (Path(self.opts.output).is_file() and
-                                           (errors_path is None or Path(errors_path).is_file()))
+    def _outputs_match(self, journal: Journal, errors_path: str | None) -> bool:
+        """The output (and errors) file are there, with a line per row the journal has for each
+        (JSONL): one deleted, emptied or overwritten since is written again from the journal (an
+        output overwritten with other text was reported "already complete")."""
+        if self.opts.output == "-":
+            return True
+        ok, answered = journal.counts()
+        wanted = [(Path(self.opts.output), ok)] + ([(Path(errors_path), answered - ok)] if errors_path else [])
+        if not all(path.is_file() for path, _ in wanted):
+            return False
+        return self.opts.format == "table" or all(_lines_in(path) == count for path, count in wanted)
 
     def _ready(self, row: Row, service: Backend, job: str = "") -> Ready | dict[str, Any]:
         """The row ready to run, or its error line: what the endpoint refuses of the same body (a
@@ -736,6 +745,15 @@ def _the_rows_fault(e: Exception) -> bool:
         return False
     return isinstance(e, TemplateError) or any(
         frame.f_code.co_filename.startswith("<template>") for frame, _ in traceback.walk_tb(e.__traceback__))
+
+
+def _lines_in(path: Path) -> int:
+    """Newlines in the file, read in blocks."""
+    count = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            count += block.count(b"\n")
+    return count
 
 
 def run_job(opts: JobOptions, out=None) -> JobSummary:

@@ -284,6 +284,13 @@ def test_mixed_file_gives_openai_bodies_and_an_errors_file(tmp_path):
     # a job already complete does nothing
     s2 = run_job(JobOptions(str(inp), str(out), system=SPAM_SYSTEM, max_tokens=4, progress=False))
     assert s2.already_complete and s2.ok == 5
+    # ... but an output overwritten since is written again from the journal (it said "already
+    # complete" and left the other text there)
+    written = out.read_text()
+    out.write_text("junk\n")
+    s3 = run_job(JobOptions(str(inp), str(out), system=SPAM_SYSTEM, max_tokens=4, progress=False))
+    assert not s3.already_complete and (s3.ok, s3.failed, s3.run_rows) == (5, 2, 0)
+    assert out.read_text() == written
     # a changed input is refused, unless --restart
     inp.write_text("\n".join(lines[:3]) + "\n")
     assert main(["run", str(inp), "-o", str(out), "--system", SPAM_SYSTEM, "--max-tokens", "4"]) == 2
