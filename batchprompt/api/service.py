@@ -22,6 +22,8 @@ import dataclasses
 import gc
 import itertools
 import logging
+import os
+import sys
 import threading
 import time
 import weakref
@@ -449,6 +451,13 @@ def _stop_at_exit() -> None:
     for service in list(_alive):
         try:
             service.shutdown(max(deadline - time.monotonic(), 0))
+        except KeyboardInterrupt:
+            # A second Ctrl-C while an engine leaves its step: the user wants out now. _exit
+            # skips what the wait was for (the C++ globals' destructors), as it does this
+            # traceback ("Exception ignored in atexit callback ... KeyboardInterrupt").
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
         except Exception:  # noqa: BLE001 - exiting: the others must still be stopped
             log.exception("stopping an engine at exit failed")
 

@@ -164,3 +164,19 @@ def test_a_script_that_ends_while_its_batch_runs_exits_cleanly(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0 and "leaving True" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
     assert "terminate called" not in proc.stderr
+
+
+def test_a_ctrl_c_while_the_engines_stop_at_exit_ends_the_process_at_once(monkeypatch):
+    """A second Ctrl-C while the exit waited for an engine thread to leave its step printed
+    "Exception ignored in atexit callback ... KeyboardInterrupt" with its traceback."""
+    from batchprompt.api import service as service_module
+
+    class Stopping:
+        def shutdown(self, timeout=None):
+            raise KeyboardInterrupt  # as the signal lands in the wait for the engine thread
+
+    exits = []
+    monkeypatch.setattr(service_module, "_alive", [Stopping()])
+    monkeypatch.setattr(service_module.os, "_exit", exits.append)
+    service_module._stop_at_exit()
+    assert exits == [130]
