@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default=None,
                    help="a .gguf file, a local Hugging Face directory, a hub id (default: the embedded SmolLM2-135M)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the name(s) a request's \"model\" may give, as vLLM's option: the first is the one "
+                        "/v1/models lists and answers carry (default: the model's own name, e.g. smollm2-135m)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", default=None, metavar="KEY",
@@ -84,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
         device = _check_device(args.device)
         engine_options = _engine_options(args, device)  # --max-model-len, --max-num-seqs, --kv-cache-memory
         engine_options.update(_priority_options(args))
-        config = ServerConfig(model=args.model, host=args.host, port=args.port,
+        config = ServerConfig(model=args.model, served_model_names=tuple(args.served_model_name or ()),
+                              host=args.host, port=args.port,
                               # --api-key "" (a variable that is not set, say) is refused, not taken as no key
                               api_key=args.api_key if args.api_key is not None else
                               os.environ.get("BATCHPROMPT_API_KEY") or None,

@@ -17,6 +17,9 @@ DEFAULT_MAX_FILE_BYTES = 200 * 2**20
 @dataclass(frozen=True)
 class ServerConfig:
     model: str | None = None  # as `LanguageModel.create(model=...)` takes it; None: the embedded model
+    # vLLM's --served-model-name: the names a request's "model" may give; the first is the one
+    # listed and answered. () : the model's own name (and what --model said).
+    served_model_names: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
@@ -37,6 +40,8 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         _check(1 <= self.port <= 65535 or self.port == 0, f"--port must be from 1 to 65535, got {self.port}")
+        _check(all(isinstance(n, str) and n.strip() for n in self.served_model_names),
+               f"--served-model-name takes non-blank names, got {list(self.served_model_names)!r}")
         _check(self.max_body_bytes >= 1024, f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
         _check(self.batch_retention_s > 0, f"--batch-retention must be > 0 seconds, got {self.batch_retention_s}")
         _check(self.max_batches >= 1, f"--max-batches must be >= 1, got {self.max_batches}")

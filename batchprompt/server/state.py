@@ -46,6 +46,8 @@ class ServerState:
         self.model_names = {source.name, str(config.model)} if config.model else {source.name}
         if source.name == "smollm2-135m":
             self.model_names |= set(EMBEDDED_NAMES)
+        if config.served_model_names:  # as vLLM: these names only, the first listed and answered
+            self.model_id, self.model_names = config.served_model_names[0], set(config.served_model_names)
         self.created = int(time.time())
         self.loop: asyncio.AbstractEventLoop | None = None
         self.shutting_down = False

@@ -32,6 +32,24 @@ def test_models_lists_the_served_model(server):
         client.models.retrieve("gpt-4o")
 
 
+def test_served_model_names_as_vllm_takes_them(tmp_path):
+    """A vLLM user's requests and batch files name the model as vLLM served it (its hub id): there
+    was no --served-model-name, and each was a 404."""
+    hub_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    srv = start_server(tmp_path, "--served-model-name", hub_id, "smol")
+    try:
+        client = srv.openai()
+        assert [m.id for m in client.models.list().data] == [hub_id]
+        for name in (hub_id, "smol"):
+            out = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=2)
+            assert out.model == hub_id
+        with pytest.raises(openai.NotFoundError, match="this server runs 'HuggingFaceTB/SmolLM2-135M-Instruct'"):
+            client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=2)
+    finally:
+        assert stop_server(srv) == 0, srv.output()
+
+
 def test_completions_answer_a_list_of_prompts_in_input_order(server):
     prompts = ["1, 2, 3, 4,", "A, B, C, D,", "Monday, Tuesday, Wednesday,"]
     out = server.openai().completions.create(model="smollm2-135m", prompt=prompts, max_tokens=4, temperature=0)
