@@ -136,7 +136,9 @@ class SamplingParams:
                "give either a grammar or score_choices, not both")
         _check(self.prompt_logprobs_from is None or self.prompt_logprobs_from >= 1,
                "prompt_logprobs_from must be >= 1 (the first token has no log-prob)")
-        _check(not (self.score_choices and self.num_samples > 1), "n and best_of do not apply to score_choices")
+        _check(not (self.score_choices and self.num_samples > 1),  # it named score_choices, a field of ours
+               "n and best_of do not apply to choice_mode='score': each label's probability is computed once; "
+               "leave them out, or use choice_mode='decode' to sample")
 
     @property
     def greedy(self) -> bool:

@@ -323,6 +323,9 @@ def _openai_row(n: int, obj: dict) -> Row | RowError:
     if method != "POST":
         return RowError(n, cid, "invalid_method", f"line {n}: method must be POST, got {method!r}", "method")
     url = obj.get("url")
+    if url is None:  # it said "url None is not supported"
+        return RowError(n, cid, "missing_url", f"line {n}: the line has no url; give \"url\": \"{CHAT}\" or "
+                                               f"\"{COMPLETION}\"", "url")
     if url not in (CHAT, COMPLETION):
         return RowError(n, cid, "invalid_url",
                         f"line {n}: url {url!r} is not supported; use {CHAT} or {COMPLETION}", "url")

@@ -68,3 +68,10 @@ def test_logprobs_as_an_int_is_vllms_top_n():
             SamplingParams(logprobs=bad)
     with pytest.raises(ValueError, match="not both"):
         SamplingParams(logprobs=2, top_logprobs=4)
+
+
+def test_label_scoring_with_n_or_best_of_is_refused_in_the_users_words():
+    """It named score_choices, a field of batchprompt's own, where the user had said choice_mode."""
+    for extra in ({"n": 2}, {"best_of": 2}):
+        with pytest.raises(ValueError, match="n and best_of do not apply to choice_mode='score'"):
+            SamplingParams(score_choices=((1,), (2,)), **extra)

@@ -38,6 +38,7 @@ def test_openai_lines_and_plain_lines():
     ("[1, 2]", "invalid_request"),
     ({"custom_id": "x", "method": "POST", "url": "/v1/embeddings", "body": {}}, "invalid_url"),
     ({"custom_id": "x", "method": "GET", "url": CHAT, "body": {}}, "invalid_method"),
+    ({"custom_id": "x", "method": "POST", "body": {}}, "missing_url"),  # it said "url None is not supported"
     ({"custom_id": "x", "method": "POST", "url": CHAT}, "missing_body"),
     ({"method": "POST", "url": CHAT, "body": {}}, "missing_custom_id"),
     ({"custom_id": "x", "url": CHAT, "body": {"prompt": "p"}}, "missing_messages"),
