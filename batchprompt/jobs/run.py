@@ -129,6 +129,8 @@ def fingerprint(raw: bytes, opts: JobOptions) -> tuple[str, dict[str, object]]:
     settings = [("--model", _model_named(opts.model)), ("--system", opts.system), ("--max-tokens", opts.max_tokens),
                 ("--temperature", opts.temperature), ("--seed", opts.seed), ("--column", opts.column),
                 ("--format", opts.format), ("the structured-output options", opts.structured)]
+    if opts.dtype != "auto":  # a resume in another dtype mixed float32 and bfloat16 rows; "auto" (the
+        settings.append(("--dtype", opts.dtype))  # default) adds nothing, so journals of before still match
     h = hashlib.sha256(raw)
     named = {"the input file (sha256)": h.hexdigest()[:16], **dict(settings)}
     h.update(json.dumps([value for _, value in settings], sort_keys=True).encode())

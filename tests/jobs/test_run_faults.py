@@ -217,3 +217,8 @@ def test_a_job_resumes_under_any_name_of_its_model_and_a_mismatch_names_what_cha
     assert main(args + ["--temperature", "0.5"]) == 2
     err = capsys.readouterr().err
     assert "changed since the job began: --temperature (0.0 → 0.5)" in err, err
+    # Another dtype is another job: a resume mixed float32 and bfloat16 rows, and a finished job
+    # said "already complete" to a rerun in another dtype.
+    assert main(args + ["--dtype", "float32"]) == 2
+    err = capsys.readouterr().err
+    assert "changed since the job began: --dtype" in err and "float32" in err, err
