@@ -43,7 +43,9 @@ class AsyncBatch:
     def status(self) -> str:
         if self.finished_at is None:
             return "cancelling" if self.cancel_asked else "running"
-        if self.cancel_asked or any(r is not None and r.finish_reason == "cancelled" for r in self.batch.results):
+        # A cancel (or a stop) that came as the last prompt finished cancelled nothing: the batch
+        # completed (it said "cancelled" with every result there).
+        if any(r is None or r.finish_reason == "cancelled" for r in self.batch.results):
             return "cancelled"
         return "completed"
 

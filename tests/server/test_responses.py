@@ -102,3 +102,19 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(continuous, 
         made = [u["completion_tokens"] for u in usages]
         assert made[0] == 0 and made == sorted(made) and made[-1] == 3, usages
         assert all(u["prompt_tokens"] == 1 and u["total_tokens"] == 1 + u["completion_tokens"] for u in usages)
+
+
+def test_an_async_batch_cancelled_after_its_last_result_completed():
+    """A cancel, or a server's stop, that came as the last prompt finished cancelled nothing:
+    the batch said "cancelled" with every result there."""
+    from types import SimpleNamespace
+
+    from batchprompt.server.batches import AsyncBatch
+
+    done = [Result(0, text="a", finish_reason="length"), Result(1, text="b", finish_reason="stop")]
+    job = AsyncBatch(SimpleNamespace(results=done), session=None, model="m", cancel_asked=True, finished_at=1.0)
+    assert job.status == "completed"
+    job.batch.results = [done[0], Result(1, finish_reason="cancelled", error="cancelled before it finished")]
+    assert job.status == "cancelled"
+    job.finished_at = None
+    assert job.status == "cancelling"
