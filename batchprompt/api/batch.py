@@ -50,7 +50,8 @@ class Batch:
         self._subscribers: list[Callable[[int, Result], None]] = []
         self._on_result: list[Callable[[int, Result], None]] = []
         self._on_complete: list[Callable[[list[Result]], None]] = []
-        self._on_tokens: list[tuple[Callable[[int, list[int]], None], bool]] = []  # (fn, with the last)
+        # (fn, with the last, inline: ours, called on the engine's thread; else on the callback thread)
+        self._on_tokens: list[tuple[Callable[[int, list[int]], None], bool, bool]] = []
         self._dispatched = False  # a callback of this batch went to the callback thread
         self._completed = False  # every result is in and the on_complete callbacks are taken
         self._done = threading.Event()  # every result is in
@@ -103,10 +104,16 @@ class Batch:
         before `start()`. Only the local engine streams tokens; on a pool of endpoints or Ray
         replicas `fn` is not called and each result comes whole."""
         _check_callable("on_tokens", fn)
+        return self._add_on_tokens(fn, last, inline=False)
+
+    def _add_on_tokens(self, fn: Callable[[int, list[int]], None], last: bool, inline: bool) -> "Batch":
+        """`inline`: `fn` is ours, quick and never raises (a queue's put), and is called on the
+        engine's thread: a stream must not wait behind user callbacks on the shared callback
+        thread (one that blocked froze every prompt_streaming in the process)."""
         with self._start_lock:
             if self._started_at is not None:
                 raise RuntimeError("on_tokens must be set before the batch starts")
-            self._on_tokens.append((fn, last))
+            self._on_tokens.append((fn, last, inline))
         return self
 
     def start(self) -> "Batch":
@@ -155,8 +162,12 @@ class Batch:
 
     def _token_handler(self, index: int) -> Callable[[list[int], bool], None]:
         def handle(ids: list[int], last: bool) -> None:
-            for fn, with_last in self._on_tokens:
-                if with_last or not last:
+            for fn, with_last, inline in self._on_tokens:
+                if not (with_last or not last):
+                    continue
+                if inline:
+                    fn(index, ids)
+                else:
                     self._dispatched = True  # wait() ends after it ran (it ended before, on_tokens alone)
                     self._service.dispatch(fn, index, ids)
         return handle

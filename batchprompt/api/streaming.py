@@ -1,8 +1,9 @@
 """One prompt's text in pieces as its tokens are made: `LanguageModel.prompt_streaming` (the
 browser Prompt API's promptStreaming()) and its asyncio twin.
 
-Tokens and the result both come through the batch's callbacks, on the callback thread in the
-order they were made, so the result comes after its last piece of tokens; TextStream holds back
+Tokens and the result both come from the engine's thread (not the callback thread, where
+another batch's callback may hold them up), in the order they were made, so the result comes
+after its last piece of tokens; TextStream holds back
 what may still change. Joined, the pieces are the result's text. Leaving the iteration early
 cancels the prompt. A backend that does not stream tokens (a pool, Ray) gives the text whole."""
 from __future__ import annotations
@@ -24,8 +25,10 @@ def text_pieces(batch: Batch, decode) -> Iterator[str]:
         yield from _whole(batch, batch.wait()[0])
         return
     q: queue.SimpleQueue = queue.SimpleQueue()
-    batch.on_tokens(lambda _, ids: q.put(ids), last=False)  # the end comes from the result
-    batch.on_result(lambda _, r: q.put(r))
+    # Both on the engine's thread, in the order they are made: the shared callback thread could
+    # be held by another batch's callback (a stream froze for as long as that callback ran).
+    batch._add_on_tokens(lambda _, ids: q.put(ids), last=False, inline=True)  # the end comes from the result
+    batch._subscribe(lambda _, r: q.put(r))
     stream = TextStream(decode, batch.stop_strings(0))
     try:
         batch.start()
@@ -54,8 +57,8 @@ def text_pieces(batch: Batch, decode) -> Iterator[str]:
 async def atext_pieces(batch: Batch, decode) -> AsyncIterator[str]:
     loop = asyncio.get_running_loop()
     q: asyncio.Queue = asyncio.Queue()
-    batch.on_tokens(lambda _, ids: _call_soon(loop, q.put_nowait, ids), last=False)
-    batch.on_result(lambda _, r: _call_soon(loop, q.put_nowait, r))
+    batch._add_on_tokens(lambda _, ids: _call_soon(loop, q.put_nowait, ids), last=False, inline=True)
+    batch._subscribe(lambda _, r: _call_soon(loop, q.put_nowait, r))
     stream = TextStream(decode, batch.stop_strings(0))
     try:
         batch.start()

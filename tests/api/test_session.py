@@ -159,6 +159,36 @@ def test_leaving_a_prompt_stream_early_cancels_it(lm, engine32):
         time.sleep(0.05)
 
 
+def test_a_blocked_callback_of_another_batch_does_not_hold_up_a_stream(lm):
+    """Streams took their pieces through the process's one callback thread: a user's on_result
+    that blocked (a slow write) froze every prompt_streaming and aprompt_streaming until it
+    returned, sessions without callbacks included."""
+    release = threading.Event()
+    held = threading.Event()
+
+    def slow(index, result):
+        held.set()
+        release.wait(60)
+
+    other = lm.create_batch(["Hi"], max_tokens=2)
+    other.on_result(slow)
+    other.start()
+    try:
+        assert held.wait(60), "the other batch's callback never ran"
+        t0 = time.monotonic()
+        pieces = list(lm.prompt_streaming("Write two sentences about the sea.", max_tokens=12))
+        assert pieces and time.monotonic() - t0 < 30
+
+        async def run():
+            return [p async for p in lm.aprompt_streaming("Say hello.", max_tokens=6)]
+
+        assert asyncio.run(asyncio.wait_for(run(), 30))
+        assert not release.is_set() and held.is_set()  # all of it while the callback still blocked
+    finally:
+        release.set()
+    other.wait(60)
+
+
 def test_a_prompt_stream_that_fails_raises(lm):
     with pytest.raises(ValueError, match="context"):
         list(lm.prompt_streaming("word " * 9000))
