@@ -1,8 +1,13 @@
-"""Memory sizes as people write them: 4GiB, 512MB, 1.5G, plain bytes, or a share of free memory."""
+"""Memory sizes as people write them: 4GiB, 512MB, 1.5G, plain bytes, or a share of free memory;
+and a wait's timeout in seconds."""
 from __future__ import annotations
 
+import math
+import numbers
 import re
+import threading
 from decimal import Decimal
+from typing import Any
 
 # K, M, G, T alone are binary, as in `free -g`, Docker and Java's -Xmx; KB, MB, GB, TB are
 # decimal (SI); KiB, Ki and the like are binary (IEC, Kubernetes).
@@ -53,3 +58,13 @@ def format_bytes(n: int) -> str:
             return f"{value:.1f}".removesuffix(".0") + f" {unit}"
         value /= 1024
     return f"{value:,.1f}".removesuffix(".0") + " TiB"
+
+
+def wait_seconds(timeout: Any) -> float | None:
+    """A wait's `timeout` in seconds, checked before anything waits (None: no limit). Infinity,
+    or more than a lock can wait, is no limit (it raised OverflowError from inside the wait)."""
+    if timeout is None:
+        return None
+    if not isinstance(timeout, numbers.Real) or isinstance(timeout, bool) or math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"timeout must be a number of seconds >= 0, or None for no limit; got {timeout!r}")
+    return None if timeout > threading.TIMEOUT_MAX else float(timeout)

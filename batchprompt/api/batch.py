@@ -19,6 +19,7 @@ from dataclasses import replace
 from typing import AsyncIterator, Callable, Iterator
 
 from ..engine import RequestOutput
+from ..units import wait_seconds
 from .callbacks import on_callback_thread
 from .items import Prepared, check_errors, to_result
 from .progress import Progress
@@ -340,6 +341,7 @@ class Batch:
         failed indices) instead, if any failed. Ctrl-C here cancels what has not finished.
         Called inside a callback (where the other callbacks cannot run until it returns), it
         waits for the results only."""
+        timeout = wait_seconds(timeout)  # before anything: a bad one failed inside the wait, which cancelled
         try:
             self.start()
             finished = (self._done if on_callback_thread() else self._finished).wait(timeout)

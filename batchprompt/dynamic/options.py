@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 import numbers
-import threading
 from typing import Any
 
+from ..units import wait_seconds
 from .lengths import bucket_function
 
 
@@ -82,8 +82,4 @@ def check_options(*, batch_size, timeout_ms, small_batch_threshold, max_queue, b
 
 def call_timeout(timeout: Any) -> float | None:
     """A call's `timeout` in seconds, checked before its items are queued; infinity is no limit."""
-    if timeout is None:
-        return None
-    if not _is_number(timeout) or math.isnan(timeout) or timeout < 0:
-        raise ValueError(f"timeout must be a number of seconds >= 0, or None for no limit; got {timeout!r}")
-    return None if timeout > threading.TIMEOUT_MAX else float(timeout)  # beyond what a lock takes: no limit
+    return wait_seconds(timeout)

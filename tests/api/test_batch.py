@@ -219,3 +219,15 @@ def test_a_large_batch_is_fed_in_a_window(lm, engine32, monkeypatch):
     assert all(r.ok for r in results)
     assert all(n <= window for n, window in fed)
     assert max(n for n, _ in fed) < 1500
+
+
+def test_a_wait_without_limit_or_with_a_bad_timeout_keeps_the_batch(lm, messages):
+    """wait(timeout=float("inf")) or 1e12 raised OverflowError from inside the wait, and "1" a
+    TypeError there: each was taken for an abandoned wait, and the batch was cancelled."""
+    batch = lm.create_batch(messages[:3], max_tokens=2)
+    for bad in ("1", float("nan"), -1):
+        with pytest.raises(ValueError, match="timeout must be a number of seconds >= 0, or None"):
+            batch.wait(timeout=bad)
+    for no_limit in (float("inf"), 1e12):
+        results = batch.wait(timeout=no_limit)
+        assert all(r.ok for r in results), results
