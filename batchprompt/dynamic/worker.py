@@ -25,6 +25,8 @@ from .results import Failure
 from .sizing import is_out_of_memory, release_cached_memory
 
 log = logging.getLogger("batchprompt")
+#: The processor whose batch this thread runs (its workers' threads only).
+serving = threading.local()
 NEW_REPLICA = object()  # the slot's replica is made by the factory when its worker starts
 
 
@@ -59,6 +61,7 @@ class Worker:
         slot.thread = thread
 
     def _run(self, slot: WorkerSlot) -> None:
+        serving.processor = self
         batch: list[_Run] | None = None
         finished: list[_Group] = []
         if slot.replica is NEW_REPLICA:  # made on the worker's own thread (a CUDA context, say)

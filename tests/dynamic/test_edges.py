@@ -309,3 +309,31 @@ def test_items_of_other_shapes_are_not_stacked_together():
         got = [f.result(LIMIT_S) for f in [pool.submit(total, item) for item in items]]
     assert [g.tolist() for g in got] == [3, [2.0, 2.0, 2.0], 10]
     assert (1, 2, 3) in seen and all(len(shape) == 2 for shape in seen if shape != (1, 2, 3))
+
+
+def test_a_call_from_inside_its_own_batch_is_refused_and_the_batcher_lives_on():
+    """The inner call waited for a batch that could not start before the one running it ended:
+    the caller hung (or got DeadlineExceeded), and every later call did too."""
+    @bp.dynamically(batch_size=4, timeout_ms=1)
+    def nested(items):
+        if items[0] == "again":
+            return [nested(1) for _ in items]
+        return [x + 1 for x in items]
+
+    @bp.dynamically(batch_size=4, timeout_ms=1)
+    async def anested(items):
+        if items[0] == "again":
+            return [await anested.acall(1) for _ in items]
+        return [x + 1 for x in items]
+
+    for fn in (lambda x: nested(x, timeout=LIMIT_S), lambda x: asyncio.run(anested.acall(x, timeout=LIMIT_S))):
+        with pytest.raises(RuntimeError, match="called from inside its own batch"):
+            fn("again")
+        assert fn(1) == 2  # the batcher still works
+    assert doubled(3) == 6  # another batched function called from inside a batch is fine: see below
+
+    @bp.dynamically(batch_size=4, timeout_ms=1)
+    def chained(items):
+        return [doubled(x) for x in items]
+
+    assert chained(5) == 10
