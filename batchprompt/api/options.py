@@ -15,7 +15,7 @@ DEFAULT_MAX_TOKENS = 256
 #: Options passed to SamplingParams as they are (it checks them).
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "top_logprobs",
             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
-            "logit_bias", "include_stop_str_in_output", "best_of")
+            "logit_bias", "include_stop_str_in_output", "best_of", "stop_token_ids", "ignore_eos")
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,8 @@ class GenerationOptions:
     logit_bias: Any = None  # {token id: bias}
     include_stop_str_in_output: bool = False
     best_of: int | None = None
+    stop_token_ids: tuple[int, ...] | list[int] = ()  # vLLM's: a token id that ends the text (stop_reason names it)
+    ignore_eos: bool = False
     # Structured output (see OutputSpec): at most one of choices, regex, json_schema,
     # response_format (OpenAI's shape, or a pydantic class) and grammar (Lark).
     choices: tuple[str, ...] | list[str] | None = None
@@ -62,8 +64,12 @@ class GenerationOptions:
                             f"{', '.join(self.names())}")
         given = {k: v for k, v in overrides.items() if v is not None}
         if any(k in given for k in STRUCTURED if k != "choice_mode"):
-            # A call's constraint replaces the session's, whichever kind it is.
-            given = {**{k: None for k in STRUCTURED if k != "choice_mode"}, **given}
+            # A call's constraint replaces the session's, whichever kind it is; a constraint of
+            # another kind than labels takes the session's choice_mode with its labels.
+            reset = {k: None for k in STRUCTURED if k != "choice_mode"}
+            if "choices" not in given:
+                reset["choice_mode"] = None
+            given = {**reset, **given}
         opts = replace(self, **given)
         opts.base_params()  # validate now, with SamplingParams' messages
         opts.output_spec()
@@ -77,5 +83,8 @@ class GenerationOptions:
 
     def sampling_params(self, tokenizer=None) -> tuple[SamplingParams, OutputSpec | None]:
         """The engine parameters and the structured-output spec that checks the results."""
+        if self.choice_mode is not None and self.choices is None:  # it was ignored: free text came back
+            raise ValueError(f"choice_mode={self.choice_mode!r} picks among choices: give choices=[...] with it, "
+                             f"or leave choice_mode out")
         params, spec = self.base_params(), self.output_spec()
         return (spec.sampling_params(params, tokenizer), spec) if spec else (params, None)

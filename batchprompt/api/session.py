@@ -110,9 +110,13 @@ class LanguageModel:
 
     def _prepare(self, prompts: Iterable[Prompt], options: dict[str, Any]) -> list[Prepared]:
         self._check_alive()
-        if isinstance(prompts, (str, dict)) or not hasattr(prompts, "__iter__"):
-            raise TypeError(f"batch_prompt takes a list of prompts, got {type(prompts).__name__} {prompts!r:.40}; "
+        # bytes were iterated as ints (one error per byte); a set ran in no order anyone chose.
+        if isinstance(prompts, (str, bytes, bytearray, dict)) or not hasattr(prompts, "__iter__"):
+            raise TypeError(f"a batch takes a list of prompts, got {type(prompts).__name__} {prompts!r:.40}; "
                             f"for one prompt give [prompt], or use a session's prompt()")
+        if isinstance(prompts, (set, frozenset)):
+            raise TypeError("a batch takes a list of prompts, whose order its results keep; a set has none: give "
+                            "a list (list(prompts), or sorted(prompts))")
         params, spec = self.options.merged(options).sampling_params(self._service.tokenizer)
         problem = self._service.refuses(params)
         if problem:  # no row could run: refused once, as a bad option is (each row failed alone)

@@ -252,6 +252,35 @@ def test_priority_must_be_an_int(lm):
 def test_what_is_not_a_list_of_prompts_is_named(lm):
     """None was "'NoneType' object is not iterable"; a string's message named a prompt() that
     the module does not have."""
-    for bad, named in ((None, "NoneType"), ("abc", "str 'abc'"), ({"role": "user", "content": "x"}, "dict")):
-        with pytest.raises(TypeError, match=f"takes a list of prompts, got {named}.*give \\[prompt\\]"):
+    for bad, named in ((None, "NoneType"), ("abc", "str 'abc'"), ({"role": "user", "content": "x"}, "dict"),
+                       (b"abc", "bytes b'abc'")):  # bytes were iterated as ints: one error per byte
+        with pytest.raises(TypeError, match=f"a batch takes a list of prompts, got {named}.*give \\[prompt\\]"):
             lm.batch_prompt(bad)
+        with pytest.raises(TypeError, match="a batch takes a list of prompts"):  # it said "batch_prompt takes"
+            lm.create_batch(bad)
+    with pytest.raises(TypeError, match="a set has none: give a list"):  # it ran in an order nobody chose
+        lm.batch_prompt({"a", "b"})
+
+
+def test_choice_mode_without_choices_is_refused_and_a_calls_other_constraint_drops_the_sessions_mode(lm):
+    """choice_mode="score" without choices was ignored: the prompt came back as free text."""
+    with pytest.raises(ValueError, match="choice_mode='score' picks among choices: give choices"):
+        lm.batch_prompt(["Is it?"], choice_mode="score")
+    scoring = bp.LanguageModel.create(model=lm.engine, choices=["yes", "no"], choice_mode="score", max_tokens=4)
+    try:
+        assert scoring.batch_prompt(["Is it?"])[0].choice_probs
+        assert scoring.batch_prompt(["Give a digit."], regex="[0-9]")[0].text.isdigit()  # the regex, decoded
+    finally:
+        scoring.destroy()
+
+
+def test_stop_token_ids_and_ignore_eos_are_options(lm):
+    """They were unknown options of the batch API, though Result.stop_reason names a stop token id."""
+    ask = "Count from one to ten in words, separated by spaces."
+    whole = lm.prompt(ask, max_tokens=16)
+    tok = lm.engine.tokenizer
+    stop_id = tok.encode(" " + whole.split()[2], add_special_tokens=False)[0]
+    [r] = lm.batch_prompt([ask], max_tokens=16, stop_token_ids=[stop_id])
+    assert r.stop_reason == stop_id and r.finish_reason == "stop" and len(r.text) < len(whole), r
+    [r] = lm.batch_prompt([ask], max_tokens=16, ignore_eos=True)
+    assert r.usage.completion_tokens == 16
