@@ -53,8 +53,27 @@ class CallbackThread:
             _run(*job)
 
 
+#: How often each callback (by its code) has raised: its first error is logged with the
+#: traceback, later ones only as a count at 10, 100, 1000... (an on_tokens that raised on every
+#: token of a job wrote a traceback each time, thousands of them).
+_raised: dict = {}
+
+
 def _run(fn: Callable, args: tuple) -> None:
     try:
         fn(*args)
-    except BaseException:  # noqa: BLE001  (even SystemExit: the thread serves every batch's waiters)
-        log.exception("a batch callback raised")
+    except BaseException as e:  # noqa: BLE001  (even SystemExit: the thread serves every batch's waiters)
+        key = getattr(fn, "__code__", None) or type(fn)
+        count = _raised[key] = _raised.get(key, 0) + 1
+        name = getattr(fn, "__qualname__", None) or repr(fn)
+        if count == 1:
+            log.exception("a batch callback (%s) raised; its further errors are counted, not printed", name)
+        elif _is_power_of_ten(count):
+            log.error("a batch callback (%s) has raised %d times; the last: %s: %s", name, count,
+                      type(e).__name__, e)
+
+
+def _is_power_of_ten(n: int) -> bool:
+    while n % 10 == 0:
+        n //= 10
+    return n == 1
