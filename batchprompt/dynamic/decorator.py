@@ -24,6 +24,7 @@ from . import stream
 from .errors import DeadlineExceeded
 from .options import call_timeout, check_options, is_int
 from .processor import BatchProcessor, QueueFull
+from .queue import too_many_for_the_queue
 from .stats import BatchStats
 from .tensors import TensorBatcher, item_length
 from .waiter import Waiter
@@ -94,6 +95,8 @@ class DynamicFunction:
             self._refuse_inside()
         loop = asyncio.get_running_loop()
         items = _as_list(items)
+        if p.max_queue is not None and len(items) > p.max_queue:  # block_when_full waited for ever
+            raise QueueFull(too_many_for_the_queue(p.name, len(items), p.max_queue))
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:

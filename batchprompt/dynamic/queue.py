@@ -122,7 +122,7 @@ class RunQueue:
         """Under the lock: until the queue has room for `n` more items (block_when_full), or the
         call's deadline passes."""
         if n > self.max_queue:
-            raise QueueFull(f"{self.name}: {n} items exceed max_queue={self.max_queue}")
+            raise QueueFull(too_many_for_the_queue(self.name, n, self.max_queue))
         while self._size + n > self.max_queue:
             if not self.block_when_full:
                 raise QueueFull(f"{self.name}: the queue holds max_queue={self.max_queue} items; retry "
@@ -262,3 +262,9 @@ class RunQueue:
         self._buckets.clear()
         self._room.notify_all()
         return runs
+
+
+def too_many_for_the_queue(name: str, n: int, max_queue: int) -> str:
+    """One call's items that no wait for room can ever fit (block_when_full or not)."""
+    return (f"{name}: one call of {n} items can never fit a queue of max_queue={max_queue} items; send at most "
+            f"{max_queue} per call, or use imap()/aimap(), which keep at most max_in_flight queued")

@@ -109,3 +109,16 @@ def test_block_when_full_keeps_the_callers_deadline():
         assert isinstance(got, bp.DeadlineExceeded), got
     finally:
         release.set()
+
+
+def test_one_call_of_more_items_than_max_queue_is_refused_at_once():
+    """With block_when_full, amany of more items than max_queue waited for room for ever (a
+    hang); many raised, without saying that no wait could ever fit it."""
+    import asyncio
+
+    f = bp.dynamically(batch_size=2, timeout_ms=1, max_queue=2, block_when_full=True)(lambda items: list(items))
+    got = outcome(lambda: f.many([1, 2, 3]), limit=5)
+    assert isinstance(got, bp.QueueFull) and "one call of 3 items can never fit" in str(got), got
+    got = outcome(lambda: asyncio.run(f.amany([1, 2, 3])), limit=5)
+    assert isinstance(got, bp.QueueFull) and "send at most 2 per call, or use imap()/aimap()" in str(got), got
+    assert f.many([1, 2]) == [1, 2]
