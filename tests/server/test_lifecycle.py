@@ -2,6 +2,7 @@
 Ctrl-C with requests in flight cancels them (503, or an error event in a stream) and exits 0."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -154,23 +155,34 @@ def test_a_kv_cache_too_small_for_one_full_context_request_exits_2(tmp_path):
     assert "Traceback" not in p.stderr, p.stderr
 
 
-def test_sigterm_exits_while_the_engine_is_stuck_in_a_step(tmp_path):
-    """It waited for the engine thread without end: a step that never returned kept a stopped
-    server alive until it was killed. Now it exits (0) when its grace period is over, and the
-    request in flight gets its 503."""
+@contextlib.contextmanager
+def stuck_with_a_request(tmp_path, path: str, body: dict):
+    """A server whose engine's next step never returns, with `body` POSTed to `path` from a
+    thread 3 s before this yields (server, answers, thread): answers["r"] once the post ends.
+    (stats cannot tell when the request is in: they wait for a step's end.)"""
     stall = tmp_path / "stall"
     srv = start_server(tmp_path, module="tests.server.faulty_server", env={"STALL_FILE": str(stall)})
     try:
         stall.touch()
-        answers = {}
+        answers: dict = {}
 
         def ask():
             with srv.client(timeout=120) as c:
-                answers["r"] = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
+                answers["r"] = c.post(path, json=body)
 
         t = threading.Thread(target=ask)
         t.start()
-        time.sleep(3)  # the request is in the engine's stuck step by now (stats cannot say: they wait for a step's end)
+        time.sleep(3)
+        yield srv, answers, t
+    finally:
+        stop_server(srv)
+
+
+def test_sigterm_exits_while_the_engine_is_stuck_in_a_step(tmp_path):
+    """It waited for the engine thread without end: a step that never returned kept a stopped
+    server alive until it was killed. Now it exits (0) when its grace period is over, and the
+    request in flight gets its 503."""
+    with stuck_with_a_request(tmp_path, "/v1/completions", {"prompt": "Hi", "max_tokens": 4}) as (srv, answers, t):
         assert t.is_alive()
         started = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
@@ -181,28 +193,14 @@ def test_sigterm_exits_while_the_engine_is_stuck_in_a_step(tmp_path):
         assert answers["r"].status_code == 503, answers["r"].text
         assert "did not finish its step" in srv.output(), srv.output()[-3000:]
         assert took < 40, took
-    finally:
-        stop_server(srv)
 
 
 def test_a_batch_whose_session_waits_for_a_stuck_engine_is_answered_at_a_stop(tmp_path):
     """/v1/batch/sync's session waits for the engine to compute its system prompt: with the
     engine stuck, a stop waited uvicorn's 30 s for it, answered 500, and the process lived on to
     the 90 s limit (exit 1), its loop waiting for the thread that made the session."""
-    stall = tmp_path / "stall"
-    srv = start_server(tmp_path, module="tests.server.faulty_server", env={"STALL_FILE": str(stall)})
-    try:
-        stall.touch()
-        answers = {}
-
-        def ask():
-            with srv.client(timeout=120) as c:
-                answers["r"] = c.post("/v1/batch/sync", json={"prompts": ["Hi"], "system": "Be brief.",
-                                                              "max_tokens": 4})
-
-        t = threading.Thread(target=ask)
-        t.start()
-        time.sleep(3)
+    body = {"prompts": ["Hi"], "system": "Be brief.", "max_tokens": 4}
+    with stuck_with_a_request(tmp_path, "/v1/batch/sync", body) as (srv, answers, t):
         started = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         t.join(60)
@@ -210,8 +208,6 @@ def test_a_batch_whose_session_waits_for_a_stuck_engine_is_answered_at_a_stop(tm
         assert answers["r"].status_code == 503 and error_of(answers["r"])["code"] == "shutting_down", answers["r"].text
         assert srv.proc.wait(STOP_TIMEOUT_S) == 0, srv.output()[-3000:]
         assert time.monotonic() - started < 40 and "Traceback" not in srv.output(), srv.output()[-3000:]
-    finally:
-        stop_server(srv)
 
 
 def test_a_webhook_receiver_that_never_answers_holds_a_stop_for_seconds_at_most(tmp_path):
@@ -245,19 +241,8 @@ def test_a_second_ctrl_c_answers_the_requests_in_flight_at_once(tmp_path):
     """uvicorn's force quit, which a second Ctrl-C was, cut the requests still waiting off with a
     500 (text/plain) and logged CancelledError tracebacks. Now they are answered 503 in OpenAI's
     shape at once, without waiting for the engine's step (stuck here), and the exit is 130."""
-    stall = tmp_path / "stall"
-    srv = start_server(tmp_path, module="tests.server.faulty_server", env={"STALL_FILE": str(stall)})
-    try:
-        stall.touch()
-        answers = {}
-
-        def ask():
-            with srv.client(timeout=120) as c:
-                answers["r"] = c.post("/v1/completions", json={"prompt": ["Hi", "Hello"], "max_tokens": 4})
-
-        t = threading.Thread(target=ask)
-        t.start()
-        time.sleep(3)  # the request is in the engine's stuck step by now
+    body = {"prompt": ["Hi", "Hello"], "max_tokens": 4}
+    with stuck_with_a_request(tmp_path, "/v1/completions", body) as (srv, answers, t):
         srv.proc.send_signal(signal.SIGINT)
         time.sleep(0.5)
         started = time.monotonic()
@@ -268,8 +253,6 @@ def test_a_second_ctrl_c_answers_the_requests_in_flight_at_once(tmp_path):
         assert answers["r"].status_code == 503 and error_of(answers["r"])["code"] == "shutting_down", answers["r"].text
         assert srv.proc.wait(STOP_TIMEOUT_S) == 130, srv.output()[-3000:]
         assert "Traceback" not in srv.output() and "second Ctrl-C" in srv.output(), srv.output()[-3000:]
-    finally:
-        stop_server(srv)
 
 
 def test_a_second_ctrl_c_while_the_engine_stops_is_one_line_and_exit_130(monkeypatch, caplog):
