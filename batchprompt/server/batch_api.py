@@ -31,6 +31,7 @@ log = logging.getLogger("batchprompt")
 WINDOW = re.compile(r"([0-9]+)([smhd])")
 MAX_WINDOW_S = 365 * 86400
 UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+SWEEP_EVERY_S = 60.0  # how often expired files are looked for (and at the start)
 
 
 class BatchApi:
@@ -44,6 +45,7 @@ class BatchApi:
             raise DataDirError(f"--data-dir {self.dir.root}: {e}") from None
         self._io = ThreadPoolExecutor(1, thread_name_prefix="batchprompt-batch-io")
         self.jobs: dict[str, BatchJob] = {}
+        self._sweeper: asyncio.Task | None = None
 
     async def io(self, fn: Callable, *args) -> Any:
         """Run `fn` on the journal thread (every Journal is made and used there)."""
@@ -70,6 +72,42 @@ class BatchApi:
             resumed += 1
         if resumed:
             log.info("resuming %d unfinished batch(es) from %s", resumed, self.dir.root)
+        self._sweeper = asyncio.ensure_future(self._sweep_often())
+
+    async def _sweep_often(self) -> None:
+        while True:
+            try:
+                await self.sweep(time.time())
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001  (a disk error: the next sweep tries again)
+                log.exception("deleting expired files failed")
+            await asyncio.sleep(SWEEP_EVERY_S)
+
+    async def sweep(self, now: float) -> list[str]:
+        """Delete the files whose expires_at has come (files.create's expires_after, a batch's
+        output_expires_after), except those a batch still running reads or writes: they go at
+        the first sweep after it ends. The ids deleted."""
+        gone = []
+        for record in await asyncio.to_thread(self.store.expired_files, now):
+            if await self._in_use(record) is None:
+                await asyncio.to_thread(self.store.delete_file, record["id"])
+                self.dir.file_path(record["id"]).unlink(missing_ok=True)
+                log.info("file %s expired (expires_at %d): deleted", record["id"], record["expires_at"])
+                gone.append(record["id"])
+        return gone
+
+    async def _in_use(self, record: dict[str, Any]) -> str | None:
+        """Why the file cannot be deleted now (a batch that has not ended reads or writes it)."""
+        file_id = record["id"]
+        if await self._live_journal(record) is not None:
+            return (f"the file {file_id} is the {record['kind']} file of the batch {record['batch_id']}, which has "
+                    f"not ended; cancel the batch or wait for it")
+        readers = await asyncio.to_thread(self.store.batches_reading, file_id)
+        if readers:
+            return f"the file {file_id} is the input of the batch {readers[0]}, which has not ended; cancel the batch " \
+                   f"or wait for it"
+        return None
 
     def _spawn(self, batch: dict[str, Any], resumed: bool = False) -> None:
         job = BatchJob(self, batch, resumed)
@@ -79,6 +117,8 @@ class BatchApi:
 
     async def close(self) -> None:
         """Stop every job (what finished is committed; the batches resume at the next start)."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         tasks = [j.task for j in self.jobs.values() if j.task is not None and not j.task.done()]
         for task in tasks:
             task.cancel()
@@ -123,13 +163,9 @@ class BatchApi:
 
     async def delete_file(self, file_id: str) -> dict[str, Any]:
         record = await self.get_file(file_id)
-        if await self._live_journal(record) is not None:
-            raise ApiError(409, f"the file {file_id} is the {record['kind']} file of the batch {record['batch_id']}, "
-                                f"which has not ended; cancel the batch or wait for it", "file_in_use", "file_id")
-        readers = await asyncio.to_thread(self.store.batches_reading, file_id)
-        if readers:
-            raise ApiError(409, f"the file {file_id} is the input of the batch {readers[0]}, which has not ended; "
-                                f"cancel the batch or wait for it", "file_in_use", "file_id")
+        in_use = await self._in_use(record)
+        if in_use:
+            raise ApiError(409, in_use, "file_in_use", "file_id")
         await asyncio.to_thread(self.store.delete_file, file_id)
         self.dir.file_path(file_id).unlink(missing_ok=True)
         return {"id": file_id, "object": "file", "deleted": True}
@@ -149,6 +185,8 @@ class BatchApi:
                            "invalid_endpoint", "endpoint")
         window = window_seconds(body["completion_window"])
         metadata = check_metadata(body.get("metadata"))
+        asked = body.get("output_expires_after") or {}
+        output_expires_s = batch_files.expires_after(asked.get("anchor"), asked.get("seconds"), "output_expires_after")
         self.state.service()  # 503 while loading or shutting down
         now = int(time.time())
         counts, usage = Counts().json()
@@ -158,7 +196,7 @@ class BatchApi:
                  "expires_at": now + window, "finalizing_at": None, "completed_at": None, "failed_at": None,
                  "expired_at": None, "cancelling_at": None, "cancelled_at": None, "request_counts": counts,
                  "metadata": metadata, "model": self.state.model_id, "usage": usage}
-        await asyncio.to_thread(self.store.add_batch, batch)
+        await asyncio.to_thread(self.store.add_batch, batch, output_expires_s)
         log.info("batch %s created: %s from file %s, window %s", batch["id"], endpoint, file_id,
                  body["completion_window"])
         self._spawn(batch)
@@ -217,10 +255,11 @@ class BatchApi:
         if batch["output_file_id"] is not None:
             return batch
         ids = {}
+        expires_s = await asyncio.to_thread(self.store.output_expires_s, batch_id)
         for kind in ("output", "error"):
             ids[f"{kind}_file_id"] = file_id = batch_files.new_file_id()
             await asyncio.to_thread(self.store.add_file, batch_files.new_record(
-                file_id, f"{batch_id}_{kind}.jsonl", "batch_output", 0, batch_id, kind))
+                file_id, f"{batch_id}_{kind}.jsonl", "batch_output", 0, batch_id, kind, expires_s))
         return await self.update(batch_id, **ids)
 
 

@@ -28,7 +28,7 @@ def file_json(record: dict[str, Any], size: int | None = None) -> dict[str, Any]
     """OpenAI's File object; `size` for a batch's file that is still being written."""
     return {"id": record["id"], "object": "file", "bytes": record["bytes"] if size is None else size,
             "created_at": record["created_at"], "filename": record["filename"], "purpose": record["purpose"],
-            "status": record["status"], "expires_at": None, "status_details": None}
+            "status": record["status"], "expires_at": record.get("expires_at"), "status_details": None}
 
 
 def check_purpose(purpose: Any) -> str:
@@ -47,10 +47,32 @@ def save_upload(src: BinaryIO, dest: Path) -> None:
 
 
 def new_record(file_id: str, filename: str, purpose: str, size: int, batch_id: str | None = None,
-               kind: str | None = None) -> dict[str, Any]:
+               kind: str | None = None, expires_s: int | None = None) -> dict[str, Any]:
+    """`expires_s`: the file is deleted that long after it is made (None: kept until deleted)."""
+    now = int(time.time())
     return {"id": file_id, "filename": filename[:255] or "upload.jsonl", "purpose": purpose, "bytes": size,
-            "created_at": int(time.time()), "status": "processed" if kind is None else "uploaded",
-            "batch_id": batch_id, "kind": kind}
+            "created_at": now, "status": "processed" if kind is None else "uploaded",
+            "batch_id": batch_id, "kind": kind, "expires_at": None if expires_s is None else now + expires_s}
+
+
+#: OpenAI's bounds for expires_after.seconds: an hour to 30 days.
+EXPIRES_S = (3600, 30 * 24 * 3600)
+
+
+def expires_after(anchor: Any, seconds: Any, field: str) -> int | None:
+    """OpenAI's `{"anchor": "created_at", "seconds": N}` (files.create's expires_after, or
+    batches.create's output_expires_after) as seconds; None where neither part is given."""
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at":
+        raise ApiError(400, f"{field}.anchor must be \"created_at\" (the only anchor), got {anchor!r}",
+                       "invalid_parameter", field)
+    if isinstance(seconds, str) and seconds.strip().isdigit():  # a multipart form sends text
+        seconds = int(seconds)
+    if not (isinstance(seconds, int) and not isinstance(seconds, bool) and EXPIRES_S[0] <= seconds <= EXPIRES_S[1]):
+        raise ApiError(400, f"{field}.seconds must be a whole number of seconds from {EXPIRES_S[0]} (an hour) to "
+                            f"{EXPIRES_S[1]} (30 days), got {seconds!r}", "invalid_parameter", field)
+    return seconds
 
 
 # ---- a running batch's files, read from its journal -------------------------------------------

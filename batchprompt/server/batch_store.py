@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 from ..jobs.storage import StorageError
 
-FILE_COLUMNS = ("id", "filename", "purpose", "bytes", "created_at", "status", "batch_id", "kind")
+FILE_COLUMNS = ("id", "filename", "purpose", "bytes", "created_at", "status", "batch_id", "kind", "expires_at")
 #: Batches whose work is not over: resumed when the server starts.
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 #: Batches whose outputs are written and will not change.
@@ -42,6 +42,10 @@ class Store:
             self.db.execute("CREATE TABLE IF NOT EXISTS batches (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
                             "id TEXT UNIQUE NOT NULL, status TEXT NOT NULL, input_file_id TEXT NOT NULL, "
                             "data TEXT NOT NULL)")
+            # Columns added since the first release: a --data-dir made before gets them, null.
+            for table, column in (("files", "expires_at"), ("batches", "output_expires_s")):
+                if column not in {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}:
+                    self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} INTEGER")
         except sqlite3.Error as e:
             raise StorageError.from_sqlite(self.path, e) from None
 
@@ -88,10 +92,24 @@ class Store:
         return [dict(zip(FILE_COLUMNS, r)) for r in rows], more
 
     # ---- batches ----------------------------------------------------------------------------
-    def add_batch(self, batch: dict[str, Any]) -> None:
+    def add_batch(self, batch: dict[str, Any], output_expires_s: int | None = None) -> None:
+        """`output_expires_s`: its output and error files expire that long after they are made
+        (OpenAI's output_expires_after; not a field of the Batch object, so kept beside it)."""
         with self._tx(write=True) as db:
-            db.execute("INSERT INTO batches (id, status, input_file_id, data) VALUES (?, ?, ?, ?)",
-                       (batch["id"], batch["status"], batch["input_file_id"], json.dumps(batch)))
+            db.execute("INSERT INTO batches (id, status, input_file_id, data, output_expires_s) VALUES (?, ?, ?, ?, ?)",
+                       (batch["id"], batch["status"], batch["input_file_id"], json.dumps(batch), output_expires_s))
+
+    def output_expires_s(self, batch_id: str) -> int | None:
+        with self._tx() as db:
+            row = db.execute("SELECT output_expires_s FROM batches WHERE id = ?", (batch_id,)).fetchone()
+        return row[0] if row else None
+
+    def expired_files(self, now: float) -> list[dict[str, Any]]:
+        """Files whose expires_at has come."""
+        with self._tx() as db:
+            rows = db.execute(f"SELECT {', '.join(FILE_COLUMNS)} FROM files WHERE expires_at IS NOT NULL AND "
+                              f"expires_at <= ?", (int(now),)).fetchall()
+        return [dict(zip(FILE_COLUMNS, r)) for r in rows]
 
     def get_batch(self, batch_id: str) -> dict[str, Any] | None:
         with self._tx() as db:

@@ -47,6 +47,9 @@ async def upload(request: Request) -> dict:
             raise ApiError(400, "send the file as multipart/form-data, in a field named file, with purpose=batch "
                                 "(client.files.create(file=open(path, 'rb'), purpose='batch'))", "missing_file", "file")
         purpose = batch_files.check_purpose(form.get("purpose"))
+        # As the openai client sends expires_after in a form: expires_after[anchor], expires_after[seconds]
+        expires_s = batch_files.expires_after(form.get("expires_after[anchor]"), form.get("expires_after[seconds]"),
+                                              "expires_after")
         size = await asyncio.to_thread(_size, upload)
         limit = api.config.max_file_bytes
         if size > limit:
@@ -57,7 +60,7 @@ async def upload(request: Request) -> dict:
         file_id = batch_files.new_file_id()
         path = api.dir.file_path(file_id)
         await asyncio.to_thread(batch_files.save_upload, upload.file, path)
-        record = batch_files.new_record(file_id, upload.filename or "", purpose, size)
+        record = batch_files.new_record(file_id, upload.filename or "", purpose, size, expires_s=expires_s)
         try:
             await asyncio.to_thread(api.store.add_file, record)
         except BaseException:

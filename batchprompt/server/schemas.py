@@ -114,12 +114,13 @@ async def read_json(request: Request, schema: Type[BaseModel]) -> dict[str, Any]
 
 
 class BatchCreate(_Body):
-    """POST /v1/batches (OpenAI's fields; output_expires_after is taken and ignored)."""
+    """POST /v1/batches (OpenAI's fields)."""
 
     input_file_id: str
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = None
+    output_expires_after: dict[str, Any] | None = None  # {"anchor": "created_at", "seconds": N}
 
 
 def query_int(request: Request, name: str, default: int, low: int, high: int) -> int:

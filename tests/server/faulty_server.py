@@ -6,6 +6,8 @@ set by environment variables, so a test can see what a batch does then:
   completion window ended before it writes its outputs (a slow machine's stand-in);
 - STALL_FILE=PATH: once PATH exists, the engine's next step never returns (a kernel that hangs,
   or a step far longer than any wait, stands in);
+- SWEEP_AHEAD_S=N: the sweep of expired files runs every 0.2 s, and sees the time N seconds
+  ahead (files made to expire in an hour are expired to it);
 - RARE_COMMITS=1: a batch journal commits only when asked to (not every half second nor every
   64 rows), so that what a kill -9 finds uncommitted is a test's choice."""
 import asyncio
@@ -52,6 +54,17 @@ if os.environ.get("HOLD_AFTER_COMPUTE"):
     BatchJob._compute = compute_then_hold
 if STALL_FILE:
     LLMEngine.step = step_or_stall
+if os.environ.get("SWEEP_AHEAD_S"):
+    from batchprompt.server.batch_api import BatchApi
+
+    AHEAD_S = float(os.environ["SWEEP_AHEAD_S"])
+
+    async def sweep_often_ahead(self):
+        while True:
+            await self.sweep(time.time() + AHEAD_S)
+            await asyncio.sleep(0.2)
+
+    BatchApi._sweep_often = sweep_often_ahead
 if os.environ.get("RARE_COMMITS"):
     import batchprompt.server.batch_job as batch_job
 

@@ -46,3 +46,48 @@ def test_a_batch_whose_window_ends_after_all_its_requests_ran_is_completed(tmp_p
         assert batch.error_file_id is None  # no request failed
     finally:
         assert stop_server(server) == 0, server.output()
+
+
+def test_files_expire_as_expires_after_and_output_expires_after_ask(tmp_path):
+    """Both were taken and ignored: expires_at stayed null and nothing was ever deleted. (The
+    sweep here sees the time two hours ahead, so an hour's expiry has come.)"""
+    import time
+
+    import openai
+    import pytest
+
+    from .batch_util import jsonl
+
+    server = start_server(tmp_path, module="tests.server.faulty_server", env={"SWEEP_AHEAD_S": "7200"})
+    try:
+        client = server.openai()
+        lines = jsonl([completion_line(f"r{i}", f"Count to {i}:", max_tokens=2) for i in range(2)])
+        kept = client.files.create(file=("kept.jsonl", lines), purpose="batch")
+        assert kept.expires_at is None
+        hour = {"anchor": "created_at", "seconds": 3600}
+        brief = client.files.create(file=("brief.jsonl", lines), purpose="batch", expires_after=hour)
+        assert brief.expires_at == brief.created_at + 3600
+        for bad in ({"anchor": "created_at", "seconds": 10}, {"anchor": "last_active_at", "seconds": 3600}):
+            with pytest.raises(openai.BadRequestError, match="expires_after"):
+                client.files.create(file=("x.jsonl", lines), purpose="batch", expires_after=bad)
+            with pytest.raises(openai.BadRequestError, match="output_expires_after"):
+                client.batches.create(input_file_id=kept.id, endpoint="/v1/completions", completion_window="24h",
+                                      output_expires_after=bad)
+        batch = client.batches.create(input_file_id=kept.id, endpoint="/v1/completions", completion_window="24h",
+                                      output_expires_after=hour)
+        batch = wait_ended(client, batch.id)
+        assert batch.status == "completed" and batch.output_file_id
+        deadline = time.monotonic() + 30
+        gone = set()
+        while gone != {brief.id, batch.output_file_id}:
+            assert time.monotonic() < deadline, f"not deleted within 30s: {gone}"
+            for file_id in {brief.id, batch.output_file_id} - gone:
+                try:
+                    client.files.retrieve(file_id)
+                except openai.NotFoundError:
+                    gone.add(file_id)
+            time.sleep(0.2)
+        assert client.files.retrieve(kept.id).expires_at is None  # no expiry asked: kept
+        assert f"file {brief.id} expired" in server.output()
+    finally:
+        assert stop_server(server) == 0, server.output()

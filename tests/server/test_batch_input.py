@@ -152,3 +152,23 @@ def test_a_line_without_url_says_it_needs_one():
     [err] = check(json.dumps({"custom_id": "a", "method": "POST", "body": {}})).errors
     assert (err["code"], err["param"]) == ("missing_url", "url")
     assert err["message"] == f"line 1: the line needs a url, the batch's endpoint {CHAT}"
+
+
+def test_a_data_dir_made_before_file_expiry_gets_its_columns(tmp_path):
+    """The records of a --data-dir made by an earlier release open with the columns expiry needs."""
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "meta.sqlite")
+    db.execute("CREATE TABLE files (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, filename TEXT "
+               "NOT NULL, purpose TEXT NOT NULL, bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, status TEXT "
+               "NOT NULL, batch_id TEXT, kind TEXT)")
+    db.execute("CREATE TABLE batches (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, status TEXT "
+               "NOT NULL, input_file_id TEXT NOT NULL, data TEXT NOT NULL)")
+    db.execute("INSERT INTO files (id, filename, purpose, bytes, created_at, status) VALUES ('file-old', 'a.jsonl', "
+               "'batch', 3, 100, 'processed')")
+    db.commit()
+    db.close()
+    store = Store(tmp_path / "meta.sqlite")
+    assert store.get_file("file-old")["expires_at"] is None
+    assert store.expired_files(10**10) == []
+    store.close()
