@@ -199,8 +199,11 @@ def test_ctrl_c_while_the_replicas_start_ends_the_backend(local_ray, caplog):
     import os
     import signal
 
-    c = bp.RayCluster(replicas=1, replica_cpus=0.5, threads=1, start_timeout_s=600,
+    c = bp.RayCluster(replicas=1, replica_cpus=0.5, threads=1, start_timeout_s=120,
                       replica_resources={"bp_no_such_resource": 1})  # never ready: the start waits
+    # Python's own handler, whatever this process started with: a background `make test` (nohup,
+    # `&`) starts it with SIGINT ignored, and the signal then never came (the start waited on).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     try:
@@ -208,6 +211,7 @@ def test_ctrl_c_while_the_replicas_start_ends_the_backend(local_ray, caplog):
             bp.LanguageModel.create(cluster=c, dtype="float32")
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     wait_for(lambda: not any(t.name.startswith("batchprompt-dispatch-ray") for t in threading.enumerate()), 30,
              "the backend's dispatcher to end")
     assert c.backends == []
