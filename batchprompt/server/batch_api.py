@@ -105,8 +105,8 @@ class BatchApi:
                     f"not ended; cancel the batch or wait for it")
         readers = await asyncio.to_thread(self.store.batches_reading, file_id)
         if readers:
-            return f"the file {file_id} is the input of the batch {readers[0]}, which has not ended; cancel the batch " \
-                   f"or wait for it"
+            return (f"the file {file_id} is the input of the batch {readers[0]}, which has not ended; cancel the "
+                    f"batch or wait for it")
         return None
 
     def _spawn(self, batch: dict[str, Any], resumed: bool = False) -> None:
