@@ -38,7 +38,7 @@ class Request:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # params.top_logprobs > 0
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     error: str | None = None
-    stop_text_len: int | None = None  # output text is cut here when a stop string matched
+    stop_text_len: int | None = None  # output text is cut here when a stop string or stop token ended it
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (vLLM's)
     # A stop string counts only where it ends past this many characters of the output text:
     # the text of the first min_tokens tokens (vLLM's rule).

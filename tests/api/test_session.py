@@ -282,5 +282,10 @@ def test_stop_token_ids_and_ignore_eos_are_options(lm):
     stop_id = tok.encode(" " + whole.split()[2], add_special_tokens=False)[0]
     [r] = lm.batch_prompt([ask], max_tokens=16, stop_token_ids=[stop_id])
     assert r.stop_reason == stop_id and r.finish_reason == "stop" and len(r.text) < len(whole), r
+    # As vLLM: the stop token's text is left out unless include_stop_str_in_output (it was kept)
+    piece = tok.decode([stop_id])
+    assert whole.startswith(r.text) and not r.text.endswith(piece) and r.token_ids[-1] == stop_id, r
+    [kept] = lm.batch_prompt([ask], max_tokens=16, stop_token_ids=[stop_id], include_stop_str_in_output=True)
+    assert kept.text == r.text + piece, (kept.text, r.text)
     [r] = lm.batch_prompt([ask], max_tokens=16, ignore_eos=True)
     assert r.usage.completion_tokens == 16
