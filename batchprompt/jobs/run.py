@@ -419,7 +419,10 @@ class JobRun:
             summary.failed = summary.rows - summary.ok
             summary.already_complete = True
             summary.prompt_tokens, summary.completion_tokens = journal.token_counts()
-            where = "written again to stdout from the journal" if opts.output == "-" else f"in {opts.output}"
+            # Where each row is (it said "12 rows in out.jsonl" of a job with 10 rows in its errors file).
+            where = ("written again to stdout from the journal" if opts.output == "-" else
+                     f"in {opts.output}" if not summary.failed else
+                     f"({summary.ok} in {opts.output}, {summary.failed} in {errors_path})")
             self.say(f"already complete: {summary.rows} rows {where} (journal {journal.path}); nothing "
                      f"to run (use --restart to run it again)")
             if opts.output == "-":

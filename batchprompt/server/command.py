@@ -89,9 +89,10 @@ def run(args: argparse.Namespace) -> int:
         engine_options.update(_priority_options(args))
         config = ServerConfig(model=args.model, served_model_names=tuple(args.served_model_name or ()),
                               host=args.host, port=args.port,
-                              # --api-key "" (a variable that is not set, say) is refused, not taken as no key
+                              # --api-key "" (a variable that is not set, say) is refused, not taken as no
+                              # key; so is a BATCHPROMPT_API_KEY set to "" (unset it to serve without one)
                               api_key=args.api_key if args.api_key is not None else
-                              os.environ.get("BATCHPROMPT_API_KEY") or None,
+                              os.environ.get("BATCHPROMPT_API_KEY"),
                               data_dir=args.data_dir, device=device, dtype=args.dtype, engine_options=engine_options,
                               max_body_bytes=args.max_body_bytes, batch_retention_s=args.batch_retention,
                               max_batches=args.max_batches, max_file_bytes=args.max_file_bytes,
@@ -173,7 +174,7 @@ def _stop_engine(model_key, log: logging.Logger, timeout: float = ENGINE_STOP_S)
         shutdown(model_key, timeout=timeout)
         return False
     except KeyboardInterrupt:
-        log.warning("stopped at once by a second Ctrl-C: finished Batch API rows are journaled, and unfinished "
+        log.warning("stopped at once by another Ctrl-C: finished Batch API rows are journaled, and unfinished "
                     "batches resume at the next start")
         return True
 

@@ -47,7 +47,14 @@ async def upload(request: Request) -> dict:
             raise ApiError(400, "send the file as multipart/form-data, in a field named file, with purpose=batch "
                                 "(client.files.create(file=open(path, 'rb'), purpose='batch'))", "missing_file", "file")
         purpose = batch_files.check_purpose(form.get("purpose"))
-        # As the openai client sends expires_after in a form: expires_after[anchor], expires_after[seconds]
+        # As the openai client sends expires_after in a form: expires_after[anchor], expires_after[seconds].
+        # Another shape (expires_after={...}, expires_after[x]) was ignored: the file never expired.
+        odd = sorted(k for k in form.keys() if k.startswith("expires_after")
+                     and k not in ("expires_after[anchor]", "expires_after[seconds]"))
+        if odd:
+            raise ApiError(400, f"{odd[0]} is not how expires_after is sent: give the form fields "
+                                f"expires_after[anchor]=created_at and expires_after[seconds]=N (as the openai client "
+                                f"sends files.create(..., expires_after={{...}}))", "invalid_parameter", "expires_after")
         expires_s = batch_files.expires_after(form.get("expires_after[anchor]"), form.get("expires_after[seconds]"),
                                               "expires_after")
         size = await asyncio.to_thread(_size, upload)

@@ -1,6 +1,7 @@
 """`batchprompt run` end to end: OpenAI shapes, bad rows, resume after SIGKILL, Ctrl-C and SIGTERM."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -282,8 +283,11 @@ def test_mixed_file_gives_openai_bodies_and_an_errors_file(tmp_path):
     assert [(e["error"]["line"], e["error"]["code"]) for e in errs] == [(2, "invalid_json"),
                                                                         (6, "context_length_exceeded")]
     # a job already complete does nothing
-    s2 = run_job(JobOptions(str(inp), str(out), system=SPAM_SYSTEM, max_tokens=4, progress=False))
+    said = io.StringIO()
+    s2 = run_job(JobOptions(str(inp), str(out), system=SPAM_SYSTEM, max_tokens=4, progress=False), said)
     assert s2.already_complete and s2.ok == 5
+    # where the rows are (it said "7 rows in out.jsonl", 2 of them being in the errors file)
+    assert f"already complete: 7 rows (5 in {out}, 2 in {out}.errors.jsonl)" in said.getvalue(), said.getvalue()
     # ... but an output overwritten since is written again from the journal (it said "already
     # complete" and left the other text there)
     written = out.read_text()

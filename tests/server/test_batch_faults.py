@@ -73,6 +73,11 @@ def test_files_expire_as_expires_after_and_output_expires_after_ask(tmp_path):
             with pytest.raises(openai.BadRequestError, match="output_expires_after"):
                 client.batches.create(input_file_id=kept.id, endpoint="/v1/completions", completion_window="24h",
                                       output_expires_after=bad)
+        # Another shape of the form field was taken and ignored: the file never expired.
+        with server.client() as c:
+            for field in ({"expires_after": '{"anchor": "created_at", "seconds": 3600}'}, {"expires_after[x]": "1"}):
+                r = c.post("/v1/files", data={"purpose": "batch", **field}, files={"file": ("a.jsonl", lines)})
+                assert r.status_code == 400 and "expires_after[anchor]=created_at" in r.text, r.text
         batch = client.batches.create(input_file_id=kept.id, endpoint="/v1/completions", completion_window="24h",
                                       output_expires_after=hour)
         batch = wait_ended(client, batch.id)

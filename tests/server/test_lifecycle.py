@@ -101,6 +101,10 @@ def test_bad_options_exit_2_before_loading(tmp_path):
                            timeout=300, env=env if not args else None)
         assert p.returncode == 2, p.stderr
         assert words in p.stderr
+    # An exported but empty BATCHPROMPT_API_KEY served with no key, without a word.
+    p = subprocess.run([sys.executable, "-m", "batchprompt.server"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "BATCHPROMPT_API_KEY": ""})
+    assert p.returncode == 2 and "$BATCHPROMPT_API_KEY) must not be blank" in p.stderr, p.stderr
 
 
 def test_a_port_in_use_exits_2_naming_it(tmp_path):
@@ -269,4 +273,4 @@ def test_a_second_ctrl_c_while_the_engine_stops_is_one_line_and_exit_130(monkeyp
     monkeypatch.setattr(api, "shutdown", interrupted)
     with caplog.at_level(logging.WARNING, logger="batchprompt"):
         assert command._stop_engine(("model",), logging.getLogger("batchprompt")) is True
-    assert "stopped at once by a second Ctrl-C" in caplog.text
+    assert "stopped at once by another Ctrl-C" in caplog.text
