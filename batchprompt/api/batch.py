@@ -164,7 +164,7 @@ class Batch:
     def _token_handler(self, index: int) -> Callable[[list[int], bool], None]:
         def handle(ids: list[int], last: bool) -> None:
             for fn, with_last, inline in self._on_tokens:
-                if not (with_last or not last):
+                if last and not with_last:
                     continue
                 if inline:
                     fn(index, ids)

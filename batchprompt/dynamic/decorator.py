@@ -50,8 +50,7 @@ class DynamicFunction:
 
     def __call__(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
         p = self._processor or self.processor
-        if getattr(serving, "processor", None) is p:
-            self._refuse_inside()
+        self._not_inside(p)
         if priority or timeout is not None or p._item_cost is not None:
             return self.many([item], priority=priority, timeout=timeout)[0]
         return p.call_one(item)
@@ -60,14 +59,12 @@ class DynamicFunction:
         _check_priority(priority)
         timeout = call_timeout(timeout)
         p = self.processor
-        if getattr(serving, "processor", None) is p:
-            self._refuse_inside()
+        self._not_inside(p)
         return p.wait(p.submit(_as_list(items), priority, timeout), timeout)
 
     async def acall(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
         p = self._processor or self.processor
-        if getattr(serving, "processor", None) is p:
-            self._refuse_inside()
+        self._not_inside(p)
         if priority or timeout is not None or p.max_queue is not None:
             return (await self.amany((item,), priority=priority, timeout=timeout))[0]
         # The common path, kept short: join this loop turn's group, await this item's result.
@@ -91,8 +88,7 @@ class DynamicFunction:
         _check_priority(priority)
         timeout = call_timeout(timeout)
         p = self.processor
-        if getattr(serving, "processor", None) is p:
-            self._refuse_inside()
+        self._not_inside(p)
         loop = asyncio.get_running_loop()
         items = _as_list(items)
         if p.max_queue is not None and len(items) > p.max_queue:  # block_when_full waited for ever
@@ -115,23 +111,23 @@ class DynamicFunction:
         `max_in_flight` items are taken from `items` and not yet yielded. An item's error is
         raised at its turn and ends the iteration."""
         _check_priority(priority)
-        if getattr(serving, "processor", None) is self.processor:
-            self._refuse_inside()
+        self._not_inside(self.processor)
         return stream.imap(self.processor, items, max_in_flight, priority)
 
     def aimap(self, items: Iterable | AsyncIterable, *, max_in_flight: int = 1024,
               priority: int = 0) -> AsyncIterator:
         """`imap` for asyncio: `async for result in f.aimap(items)`; `items` may be an async iterable."""
         _check_priority(priority)
-        if getattr(serving, "processor", None) is self.processor:
-            self._refuse_inside()
+        self._not_inside(self.processor)
         return stream.aimap(self.processor, items, max_in_flight, priority)
 
-    def _refuse_inside(self) -> None:
+    def _not_inside(self, p: BatchProcessor) -> None:
         """A call from inside this function's own batch waited for a batch that could not start
         before the one running it ended: a deadlock, which also left the batcher dead."""
+        if getattr(serving, "processor", None) is not p:
+            return
         name = getattr(self._fn, "__name__", "the function")
-        raise RuntimeError(f"{self.processor.name} was called from inside its own batch: that call would wait for "
+        raise RuntimeError(f"{p.name} was called from inside its own batch: that call would wait for "
                            f"a batch that cannot start until this one ends. Inside it, call the function itself "
                            f"on a list ({name}.__wrapped__(items)), or another batched function")
 

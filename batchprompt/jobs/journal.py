@@ -16,7 +16,7 @@ import sqlite3
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NoReturn
 
 from .storage import StorageError
 
@@ -54,15 +54,12 @@ class Journal:
                             "ok INTEGER NOT NULL, record TEXT NOT NULL, "
                             "prompt_tokens INTEGER NOT NULL DEFAULT 0, completion_tokens INTEGER NOT NULL DEFAULT 0)")
         if self.get("fingerprint") is None and not restart and not self.empty():  # its meta table was lost
-            self.db.close()
-            raise JournalMismatch(f"the journal {self.path} holds rows but no record of the job they belong to "
-                                  f"(damaged, or not made by batchprompt): give another --journal, or --restart to "
-                                  f"start over")
+            self._refuse(f"the journal {self.path} holds rows but no record of the job they belong to "
+                         f"(damaged, or not made by batchprompt): give another --journal, or --restart to start over")
         other = self.get("fingerprint") not in (None, fingerprint)  # begun for another input or options
         if other and not restart and not self.empty():
             changed = self._changed(settings)
-            self.db.close()
-            raise JournalMismatch(
+            self._refuse(
                 f"the journal {self.path} belongs to a different input or different options ("
                 + (f"changed since the job began: {changed}" if changed else
                    "the input file, or an option such as --model, --system, --max-tokens or --temperature, "
@@ -88,14 +85,17 @@ class Journal:
         try:
             tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         except sqlite3.DatabaseError as e:
-            self.db.close()
-            raise JournalMismatch(f"{self.path} is not a batchprompt journal ({e}): give another --journal, or "
-                                  f"move that file away") from None
+            self._refuse(f"{self.path} is not a batchprompt journal ({e}): give another --journal, or move that "
+                         f"file away")
         foreign = sorted(tables - {"meta", "rows"})
         if foreign:
-            self.db.close()
-            raise JournalMismatch(f"{self.path} is a database with other tables ({', '.join(foreign[:5])}), not a "
-                                  f"batchprompt journal: give another --journal")
+            self._refuse(f"{self.path} is a database with other tables ({', '.join(foreign[:5])}), not a batchprompt "
+                         f"journal: give another --journal")
+
+    def _refuse(self, message: str) -> NoReturn:
+        """Close the database and raise JournalMismatch(message): this job cannot use it."""
+        self.db.close()
+        raise JournalMismatch(message) from None
 
     def empty(self) -> bool:
         """No row recorded, pending ones included: a run that stopped before any row (a bad option
