@@ -50,12 +50,11 @@ class ServerState:
             self.model_id, self.model_names = config.served_model_names[0], set(config.served_model_names)
         self.created = int(time.time())
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.shutting_down = False
         self._cancelling: asyncio.Future | None = None  # the shutdown's cancel of requests in flight
         self._watch: asyncio.Future | None = None  # sets `abandoned` if that cancel takes too long
         self.cancelled: Counter[str] = Counter()  # requests cancelled, by reason (metrics)
         self.abandoned = asyncio.Event()  # set when a shutdown's cancel is not done in CANCEL_GRACE_S
-        self.stopping = asyncio.Event()  # set when the shutdown begins
+        self.stopping = asyncio.Event()  # set when the shutdown begins (shutting_down)
         self._service: EngineService | None = None
         self._lock = threading.Lock()
         self._active: set[Batch] = set()  # batches of requests being answered (not async batches)
@@ -156,6 +155,10 @@ class ServerState:
         self.begin_shutdown()
         self.abandoned.set()
 
+    @property
+    def shutting_down(self) -> bool:
+        return self.stopping.is_set()
+
     def begin_shutdown(self) -> asyncio.Future | None:
         """Refuse new work and cancel what is in flight, so that uvicorn's wait for open
         requests ends at once (each answers 503, or ends its stream with an error). Nothing here
@@ -163,7 +166,6 @@ class ServerState:
         CANCEL_GRACE_S and the requests are answered without it."""
         if self.shutting_down:
             return self._cancelling
-        self.shutting_down = True
         self.stopping.set()
         with self._lock:
             active = list(self._active)
