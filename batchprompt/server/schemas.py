@@ -3,7 +3,8 @@ of the fields' types (422 naming each wrong field). Values are checked later, by
 uses them (SamplingParams, the job reader, OutputSpec), with their messages (400).
 
 The models are strict (no "1" for 1) and allow other fields: vLLM's extra parameters and
-OpenAI's fields we ignore pass through to the job reader, which knows them."""
+OpenAI's fields we ignore pass through to the job reader, which knows them. The Batch API's
+create is the exception: as OpenAI's, it answers 400 naming a field it does not know."""
 from __future__ import annotations
 
 from typing import Any, Type
@@ -106,6 +107,11 @@ async def read_json(request: Request, schema: Type[BaseModel]) -> dict[str, Any]
                             f"Content-Type: application/json", "invalid_json") from None
     if not isinstance(obj, dict):
         raise ApiError(400, f"the body must be a JSON object, got {json_type(obj)}", "invalid_json")
+    if schema.model_config.get("extra") == "forbid":
+        unknown = [k for k in obj if k not in schema.model_fields]
+        if unknown:
+            raise ApiError(400, f"Unknown parameter: {unknown[0]!r}. This endpoint takes "
+                                f"{', '.join(schema.model_fields)}", "unknown_parameter", unknown[0])
     try:
         schema.model_validate(obj)
     except ValidationError as e:
@@ -114,7 +120,9 @@ async def read_json(request: Request, schema: Type[BaseModel]) -> dict[str, Any]
 
 
 class BatchCreate(_Body):
-    """POST /v1/batches (OpenAI's fields)."""
+    """POST /v1/batches (OpenAI's fields, and only those: a misspelt one is a 400, not ignored)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     input_file_id: str
     endpoint: str

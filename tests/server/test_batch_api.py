@@ -227,6 +227,12 @@ def test_create_errors(client):
         client.post("/batches", body={"input_file_id": f.id, "endpoint": "/v1/chat/completions"}, cast_to=object)
     with pytest.raises(openai.NotFoundError, match="no batch 'batch_nope'"):
         client.batches.retrieve("batch_nope")
+    # a misspelt field was accepted and ignored; OpenAI answers 400 naming it
+    with pytest.raises(openai.BadRequestError, match="Unknown parameter: 'metdata'") as e:
+        client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                              extra_body={"metdata": {"k": "v"}})
+    assert e.value.body["param"] == "metdata" and e.value.body["code"] == "unknown_parameter"
+    assert all(b.input_file_id != f.id for b in client.batches.list().data)
 
 
 def test_upload_errors(server, client):
