@@ -121,6 +121,8 @@ def test_a_stop_string_inside_min_tokens_never_counts():
     ({"logit_bias": {5: 101}}, r"logit_bias values must be numbers from -100 to 100"),
     ({"n": 0}, r"n must be an integer >= 1"),
     ({"n": 3, "best_of": 2}, r"best_of must be an integer >= n \(3\)"),
+    # it ran best_of identical greedy samples
+    ({"best_of": 3, "temperature": 0}, r"best_of=3 with temperature 0 \(greedy\) computes 3 identical samples"),
     ({"stop": 5}, r"stop must be a string or a list of strings, got 5"),  # was a bare TypeError
     ({"stop": ["a", 1]}, r"stop must be a string or a list of strings"),
 ])
@@ -135,8 +137,9 @@ def test_defaults_are_vllms_in_the_engine_and_greedy_in_the_batch_api():
     assert SamplingParams(logit_bias={"7": -3}).logit_bias == {7: -3.0}
     assert SamplingParams(top_logprobs=2).logprobs  # top_logprobs implies logprobs
     api = GenerationOptions().merged({"presence_penalty": 0.5, "logit_bias": {"3": 1}, "top_logprobs": 2,
-                                      "min_p": 0.1, "best_of": 2}).base_params()
+                                      "min_p": 0.1}).base_params()
     assert (api.temperature, api.max_tokens, api.presence_penalty, api.logit_bias, api.top_logprobs,
-            api.min_p, api.best_of) == (0.0, 256, 0.5, {3: 1.0}, 2, 0.1, 2)
+            api.min_p) == (0.0, 256, 0.5, {3: 1.0}, 2, 0.1)
+    assert GenerationOptions().merged({"best_of": 2, "temperature": 0.5}).base_params().best_of == 2
     with pytest.raises(ValueError, match="min_p"):
         GenerationOptions().merged({"min_p": 2})

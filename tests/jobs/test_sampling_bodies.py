@@ -25,7 +25,7 @@ def row(url, **body):
 def test_body_sampling_fields_reach_the_engine():
     params, n = row_params(row(CHAT, presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2,
                                min_p=0.05, min_tokens=3, logit_bias={"50256": -100}, logprobs=True,
-                               top_logprobs=4, include_stop_str_in_output=True, best_of=3), OPTS)
+                               top_logprobs=4, include_stop_str_in_output=True, best_of=3, temperature=0.7), OPTS)
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty, params.min_p,
             params.min_tokens, params.logit_bias, params.logprobs, params.top_logprobs,
             params.include_stop_str_in_output, params.best_of, n) == \
