@@ -61,7 +61,7 @@ class GrammarCompiler:
             text = grammar.to_llguidance()
         except ValueError as e:
             raise GrammarError(f"the {grammar.kind} cannot be used: {e}") from None
-        limits = _limits(grammar)
+        limits = _limits(grammar, text)
         is_error, messages = LLMatcher.validate_grammar_with_warnings(text, self.tokenizer, limits=limits)
         if is_error:
             raise GrammarError(f"the grammar engine rejected the {grammar.kind}: {messages[0].strip()}")
@@ -76,11 +76,16 @@ class GrammarCompiler:
         return matcher
 
 
-def _limits(grammar: Grammar):
-    """llguidance's parser limits: its own, but for choices a row as wide as the labels (its
-    default of 2,000 items a row failed a list of more labels at its first token)."""
-    if grammar.kind != "choices":
+def _limits(grammar: Grammar, text: str):
+    """llguidance's parser limits: its own, but a row as wide as the grammar's alternatives
+    (its default of 2,000 items a row failed a list of more labels, or a Lark rule of more
+    alternatives, at its first token). A Lark rule's alternatives are bounded by its "|"s."""
+    if grammar.kind == "choices":
+        width = grammar.num_labels
+    elif grammar.kind == "lark":
+        width = text.count("|")
+    else:
         return None
     from llguidance import LLParserLimits
 
-    return LLParserLimits(max_items_in_row=max(2000, 2 * grammar.num_labels + 16))
+    return LLParserLimits(max_items_in_row=max(2000, 2 * width + 16))

@@ -60,6 +60,16 @@ def test_a_gbnf_grammar_as_vllm_takes_it_matches_as_its_lark_twin(compiler, engi
         compiler.matcher(Grammar.lark('root ::= "yes" | ('))
 
 
+def test_a_lark_rule_of_thousands_of_alternatives_is_walked(compiler, engine32):
+    """Past llguidance's default of 2,000 items a parser row, such a rule compiled and then failed
+    at its first token ("Current row has 3001 items; max is 2000"), as a long choices list did."""
+    words = [f"w{i}x" for i in range(3000)]
+    m = compiler.matcher(Grammar.lark("start: " + " | ".join(f'"{w}"' for w in words)))
+    for t in engine32.tokenizer.encode("w2500x", add_special_tokens=False):
+        assert m.consume_token(t), m.get_error()[:200]
+    assert m.is_accepting()
+
+
 def test_each_request_gets_its_own_matcher_state(compiler, engine32):
     g = Grammar.choices(["spam", "ham"])
     a, b = compiler.matcher(g), compiler.matcher(g)
