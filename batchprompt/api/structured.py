@@ -14,6 +14,10 @@ from ..structured.grammar import check_choices
 from ..structured.validate import grammar_problem
 from .result import Result
 
+#: Labels decoded as a trie of their token ids take about this many of the grammar engine's
+#: 65,525 symbols (their tokens, and one each); more go as text (see sampling_params).
+MAX_TOKEN_SYMBOLS = 50_000
+
 CHOICE_MODES = ("score", "decode")
 #: JSON output without free whitespace: fewer tokens, and more of them forced by the schema.
 JSON_DEFAULTS = {"whitespace_flexible": False}
@@ -88,6 +92,12 @@ class OutputSpec:
             if special.intersection(label_ids):  # decoding it ends the answer (or reads as nothing)
                 raise ValueError(f"choices: the label {label!r} holds a special token of the model, which decoding "
                                  f"does not write as text: use choice_mode='score', or a label without it")
+        if sum(map(len, ids)) + len(ids) > MAX_TOKEN_SYMBOLS:
+            # Too many for a trie of token ids (the grammar engine's symbols run out at about 12,000
+            # labels): each label as text, one lexeme, still exactly one label. The model may spell
+            # it in other tokens, but never in more than its bytes.
+            longest_bytes = max(len(c.encode()) for c in self.labels)
+            return replace(params, grammar=Grammar.choices(self.labels), max_tokens=longest_bytes)
         # A label that is a prefix of another ends with EOS, within the longest label's length.
         return replace(params, grammar=Grammar.choices(self.labels, ids), max_tokens=len(ids[longest]))
 

@@ -63,17 +63,32 @@ class GrammarCompiler:
             raise GrammarError(f"the {grammar.kind} cannot be used: {e}") from None
         limits = _limits(grammar, text)
         is_error, messages = LLMatcher.validate_grammar_with_warnings(text, self.tokenizer, limits=limits)
-        if is_error:
-            raise GrammarError(f"the grammar engine rejected the {grammar.kind}: {messages[0].strip()}")
-        matcher = LLMatcher(self.tokenizer, text, log_level=0, limits=limits)
-        if matcher.is_error():
-            raise GrammarError(f"the grammar engine rejected the {grammar.kind}: {matcher.get_error()}")
+        matcher = None if is_error else LLMatcher(self.tokenizer, text, log_level=0, limits=limits)
+        error = messages[0] if is_error else matcher.get_error() if matcher.is_error() else None
+        if error is not None:
+            raise GrammarError(f"the grammar engine rejected the {grammar.kind}: {_short(error, grammar)}")
         reason = dead_end(matcher.deep_copy())  # one mask: a grammar that nothing matches fails now
         if reason is not None:
             raise GrammarError(f"the {grammar.kind} cannot be satisfied: no text the model can write matches it; "
                                f"fix the {grammar.kind}" if is_no_match(reason) else
                                f"the grammar engine stopped on the {grammar.kind}: {reason}")
         return matcher
+
+
+#: llguidance's assertion (a panic) for a grammar of more than 65,525 symbols (see
+#: api/structured.py for how a long list of labels stays within them).
+TOO_MANY_SYMBOLS = "grammar.symbols.len() < u16::MAX"
+
+
+def _short(message: str, grammar: Grammar) -> str:
+    """llguidance's message without the Rust backtrace of a panic (a hundred lines of
+    addresses), and its symbol limit in the user's terms."""
+    message = message.split("<backtrace>", 1)[0].strip()
+    if TOO_MANY_SYMBOLS in message:
+        what = f"{grammar.num_labels} labels" if grammar.kind == "choices" else f"this {grammar.kind}"
+        return (f"{what} make more than the 65,525 symbols the grammar engine takes: make the "
+                f"{grammar.kind} smaller" + (" (fewer labels)" if grammar.kind == "choices" else ""))
+    return message
 
 
 def _limits(grammar: Grammar, text: str):

@@ -44,6 +44,14 @@ def test_every_answer_is_one_of_the_choices(lm, messages, mode):
         assert all(r.choice_probs is None and r.finish_reason == "stop" for r in results)
 
 
+def test_fifteen_thousand_labels_are_decoded(lm, messages):
+    """As a trie of token ids they ran out of the grammar engine's symbols: every row failed with a
+    Rust panic and its hundred-line backtrace. They now go as text, still exactly one label each."""
+    labels = ["spam", "ham"] + [f"opt{i}" for i in range(15000)]
+    results = lm.batch_prompt(messages[:3], choices=labels)
+    assert all(r.ok and r.text in labels for r in results), [(r.text, r.error) for r in results]
+
+
 def test_min_tokens_beyond_the_longest_label_names_the_labels(lm):
     """It said "min_tokens must be ... from 0 to max_tokens (1)" where the caller gave max_tokens=10."""
     with pytest.raises(ValueError, match=r"min_tokens \(5\) is more than the longest label \(1 tokens\)"):

@@ -70,6 +70,16 @@ def test_a_lark_rule_of_thousands_of_alternatives_is_walked(compiler, engine32):
     assert m.is_accepting()
 
 
+def test_a_grammar_too_large_for_the_engine_says_so_in_one_line(compiler, engine32):
+    """llguidance panics past 65,525 symbols: the error carried its Rust backtrace, 2.5 KB of it."""
+    labels = [f"opt{i}" for i in range(15000)]
+    ids = [engine32.tokenizer.encode(x, add_special_tokens=False) for x in labels]
+    with pytest.raises(GrammarError) as e:
+        compiler.matcher(Grammar.choices(labels, ids))
+    assert str(e.value) == ("the grammar engine rejected the choices: 15000 labels make more than the 65,525 symbols "
+                            "the grammar engine takes: make the choices smaller (fewer labels)")
+
+
 def test_each_request_gets_its_own_matcher_state(compiler, engine32):
     g = Grammar.choices(["spam", "ham"])
     a, b = compiler.matcher(g), compiler.matcher(g)
