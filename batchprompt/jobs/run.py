@@ -249,6 +249,9 @@ def row_spec(row: Row, opts: JobOptions) -> OutputSpec | None:
              "response_format": b.get("response_format")}
     if all(v is None for v in asked.values()):
         asked = {k: v for k, v in opts.structured.items() if k != "choice_mode"}
+    if b.get("choice_mode") is not None and asked.get("choices") is None:  # it was ignored: free text came back
+        raise ValueError(f"choice_mode {b['choice_mode']!r} picks among choices: give guided_choice (or "
+                         f"structured_outputs.choice) with it, or leave choice_mode out")
     return OutputSpec.from_options(choice_mode=b.get("choice_mode", opts.structured.get("choice_mode")), **asked)
 
 

@@ -162,3 +162,17 @@ def test_a_null_max_completion_tokens_leaves_max_tokens_in_force(url):
     passes None; the null threw max_tokens away, and the answer ran to the context's end."""
     assert row_params(row(url, max_tokens=2, max_completion_tokens=None), OPTS)[0].max_tokens == 2
     assert row_params(row(url, max_tokens=2, max_completion_tokens=5), OPTS)[0].max_tokens == 5
+
+
+@pytest.mark.parametrize("body", [{"choice_mode": "score"}, {"choice_mode": "decode", "guided_regex": "[0-9]+"}])
+def test_a_rows_choice_mode_without_choices_fails_the_row(body):
+    """It was ignored: free text (or the regex's answer) came back, where the API refuses it."""
+    with pytest.raises(ValueError, match=r"^choice_mode '\w+' picks among choices: give guided_choice"):
+        row_spec(row(CHAT, **body), OPTS)
+
+
+def test_a_rows_choice_mode_takes_the_commands_choices():
+    opts = JobOptions("in", "out", structured={"choices": ["spam", "ham"]})
+    spec = row_spec(row(CHAT, choice_mode="score"), opts)
+    assert spec.labels == ("spam", "ham") and spec.choice_mode == "score"
+    assert row_spec(row(CHAT, choice_mode="decode", guided_choice=["a", "b"]), OPTS).labels == ("a", "b")

@@ -261,6 +261,7 @@ def test_a_bad_value_names_its_field_in_param(server, field, value):
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "unsupported_parameter"),
     ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": "a"}, 422, "invalid_type"),
     ({"messages": [{"role": "user", "content": "hi"}], "guided_regex": "("}, 400, None),
+    ({"messages": [{"role": "user", "content": "hi"}], "choice_mode": "score"}, 400, "invalid_parameter"),  # ignored
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 422, "invalid_type"),
     ({"messages": "hi", "max_tokens": "8"}, 422, "invalid_type"),
     ({"max_tokens": 8}, 422, "invalid_type"),
