@@ -501,6 +501,7 @@ class LLMEngine:
             text = text[:req.stop_text_len]
         # A character whose bytes the output ended inside (max_tokens cut an emoji's tokens) is
         # left out, as vLLM's detokenizer leaves it, not written as U+FFFD.
+        cut_char = text.endswith("\ufffd")
         text = text.rstrip("\ufffd")
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
@@ -510,10 +511,27 @@ class LLMEngine:
             num_cached_tokens=cached, num_preemptions=req.num_preemptions,
             prompt_logprobs=self._prompt_logprobs(req),
             choice_logprobs=list(req.choice_logprobs) if req.params.score_choices and req.error is None else None,
-            grammar_complete=(req.matcher is not None and req.error is None and not req.matcher.is_error()
-                              and req.matcher.is_accepting()),
+            grammar_complete=self._grammar_complete(req, text if cut_char else None),
             stop_reason=req.stop_reason if req.finish_reason == "stop" else None,
         )
+
+    def _grammar_complete(self, req: Request, cut_text: str | None) -> bool:
+        """Whether the output is a whole match of its grammar. `cut_text`: the output's text where
+        it ended inside a character (left out of the text): the match is judged on the text
+        written, without the tokens that hold only that character's first bytes."""
+        m = req.matcher
+        if m is None or req.error is not None or m.is_error():
+            return False
+        if m.is_accepting() or cut_text is None:
+            return m.is_accepting()
+        ids = req.output_token_ids
+        for k in range(1, min(4, len(ids)) + 1):  # a character is at most 4 bytes
+            if self.tokenizer.decode(ids[:-k]).rstrip("\ufffd") != cut_text:
+                return False  # that token wrote some of the text: the text is no whole match
+            m.rollback(1)  # the request is finished: its matcher is not used again
+            if m.is_accepting():
+                return True
+        return False
 
     @staticmethod
     def _prompt_logprobs(req: Request) -> list[float] | None:

@@ -52,6 +52,18 @@ def test_fifteen_thousand_labels_are_decoded(lm, messages):
     assert all(r.ok and r.text in labels for r in results), [(r.text, r.error) for r in results]
 
 
+def test_an_output_cut_inside_a_character_is_judged_on_the_text_written(engine32):
+    """max_tokens ending inside a character leaves it out of the text, as vLLM does; a text that is
+    then a whole match failed as "reached max_tokens before it completed the regex"."""
+    pattern = r"(é|ü|日本)+"
+    with bp.LanguageModel.create(system="Answer in JSON.", model=engine32) as lm:
+        results = [lm.batch_prompt(["Extract info: Mary, 7 years old, from Tokyo."], regex=pattern, max_tokens=n)[0]
+                   for n in range(1, 9)]
+    assert [r.text for r in results] == ["", "", "日", "日本", "日本", "日本日", "日本日本", "日本日本"]
+    for r in results:  # 5 and 8 tokens end inside the next 日
+        assert (r.error is None) == bool(re.fullmatch(pattern, r.text)), (r.text, r.error)
+
+
 def test_min_tokens_beyond_the_longest_label_names_the_labels(lm):
     """It said "min_tokens must be ... from 0 to max_tokens (1)" where the caller gave max_tokens=10."""
     with pytest.raises(ValueError, match=r"min_tokens \(5\) is more than the longest label \(1 tokens\)"):
