@@ -124,3 +124,29 @@ def test_an_all_of_refs_schema_compiles_and_answers(compiler):
                         "B": {"type": "object", "properties": {"y": {"type": "integer"}}, "required": ["y"]}},
               "allOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}]}
     assert compiler.matcher(Grammar.json_schema(schema)) is not None
+
+
+@pytest.mark.parametrize("schema", [
+    # allOf through a $ref to a $ref: the second was closed, so "y" of the other part was refused
+    {"$defs": {"B": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+               "A": {"$ref": "#/$defs/B"}},
+     "allOf": [{"$ref": "#/$defs/A"},
+               {"type": "object", "properties": {"y": {"type": "integer"}}, "required": ["y"]}]},
+    # a $ref to a property's schema, combined through allOf: that property was closed
+    {"type": "object",
+     "properties": {"a": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+                    "b": {"allOf": [{"$ref": "#/properties/a"},
+                                    {"type": "object", "properties": {"y": {"type": "integer"}}, "required": ["y"]}]}},
+     "required": ["a", "b"]},
+    # an anyOf inside a combined part: its members met the other part's properties
+    {"$defs": {"A": {"anyOf": [{"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+                               {"type": "object", "properties": {"z": {"type": "integer"}}, "required": ["z"]}]}},
+     "allOf": [{"$ref": "#/$defs/A"},
+               {"type": "object", "properties": {"y": {"type": "integer"}}, "required": ["y"]}]},
+    # a required name that properties does not list: closed, the object could not have it
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]},
+])
+def test_parts_that_a_ref_combines_stay_open_wherever_they_are(schema):
+    from batchprompt.structured.validate import grammar_problem
+
+    assert grammar_problem(Grammar.json_schema(schema)) is None
