@@ -367,12 +367,14 @@ class RemoteBackend:
             self._hedge(now)
 
     def _waits_for_another(self, head: Work, candidates: list[Endpoint]) -> bool:
-        """A retry goes to another endpoint than the one that failed it, while another is alive
-        (a load balancer's next-upstream rule): it waits for that one's free slot rather than go
-        back to an endpoint that may fail everything (a server answering 500 to every request)."""
-        if head.avoid is None or any(e.index != head.avoid for e in candidates):
+        """A retry goes to an endpoint that has not failed it, while one is alive (a load
+        balancer's next-upstream rule): it waits for that one's free slot rather than go back to
+        an endpoint that may fail everything (a server answering 500 to every request). All the
+        endpoints that failed it count: with the last alone, a work bounced between two failing
+        ones (a 500 and a 429) until its tries ran out, beside a healthy one."""
+        if not head.avoid or any(e.index not in head.avoid for e in candidates):
             return False
-        return any(e.alive and e.index != head.avoid for e in self.endpoints)
+        return any(e.alive and e.index not in head.avoid for e in self.endpoints)
 
     def _hedge(self, now: float) -> None:
         usual = self._request_s
@@ -623,7 +625,7 @@ class RemoteBackend:
                 self._finish_error(w, f"failed after {w.attempts} tries; the last: {err.message}",
                                    retryable=err.kind != "request")
                 continue
-            w.avoid = e.index
+            w.avoid = w.avoid | {e.index}
             again.append(w)
         if not again:
             return

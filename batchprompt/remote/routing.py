@@ -63,10 +63,11 @@ class Router:
         self.indexes = {e.index: PrefixIndex() for e in self.endpoints}
         self.affinity_hits = 0  # sub-batches sent where their prefix was (and not simply the least loaded)
 
-    def choose(self, ids: Sequence[int], candidates: Sequence[Endpoint], avoid: int | None = None) -> Endpoint:
+    def choose(self, ids: Sequence[int], candidates: Sequence[Endpoint], avoid: frozenset[int] = frozenset()
+               ) -> Endpoint:
         """The endpoint for a sub-batch starting with `ids`, among `candidates` (those with a
-        free slot); `avoid` (an endpoint that just failed this work) only if it is the only one."""
-        pool = [e for e in candidates if e.index != avoid] or list(candidates)
+        free slot); those in `avoid` (endpoints that failed this work) only if no other is."""
+        pool = [e for e in candidates if e.index not in avoid] or list(candidates)
         load = {e.index: e.outstanding_tokens / e.weight for e in pool}
         least = min(load.values())
         hashes = block_hashes(ids)

@@ -29,7 +29,7 @@ class Work:
     params: SamplingParams  # the item's, max_tokens clamped to the context
     tokens: int  # prompt + max_tokens: what it may cost the endpoint
     attempts: int = 0  # failed tries so far
-    avoid: int | None = None  # the endpoint that failed it last
+    avoid: frozenset[int] = frozenset()  # the endpoints that failed it
     cap: int | None = None  # after a split: the most prompts its sub-batch may hold
     answered: bool = False
 

@@ -45,6 +45,26 @@ def test_faults_on_one_endpoint_leave_the_work_to_the_other(two_servers, proxy, 
     assert stats[0]["prompts"] == len(PROMPTS)
 
 
+def test_a_retry_avoids_every_endpoint_that_failed_it(two_servers, proxy, reference):
+    """Beside a healthy server, one answering 500 and one answering 429 to everything: a retry
+    avoided only the endpoint that failed it last, so prompts bounced between the two failing
+    ones until their tries ran out ("failed after 3 tries ... HTTP 500")."""
+    from .fault_proxy import FaultProxy
+
+    want = reference(PROMPTS, max_tokens=6)
+    busy = FaultProxy(two_servers[1].url)
+    try:
+        proxy.plan("500", 10_000)
+        busy.plan("429", 10_000)
+        with pool_of([two_servers[0].url, proxy.url, busy.url], min_batch_tokens=32, backoff_s=0.01,
+                     max_retries=2, batch_prompts=1) as pool:
+            got = bp.LanguageModel.create(model=pool, max_tokens=6).batch_prompt(PROMPTS)
+    finally:
+        busy.close()
+    assert [r.error for r in got] == [None] * len(PROMPTS)
+    assert [r.text for r in got] == want
+
+
 def test_an_endpoint_that_keeps_failing_leaves_its_prompts_retryable(proxy):
     """Tries spent on 5xx answers are the endpoint's fault, not the prompt's: the result is
     `.retryable` (so `batchprompt run` leaves the row unjournaled, to run again); it was a final

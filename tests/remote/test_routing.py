@@ -35,5 +35,5 @@ def test_a_prefix_every_endpoint_holds_decides_nothing():
 def test_avoid_the_endpoint_that_just_failed_unless_it_is_the_only_one():
     eps = _endpoints(2)
     router = Router(eps, slack_tokens=100)
-    assert router.choose([1, 2, 3], eps, avoid=0) is eps[1]
-    assert router.choose([1, 2, 3], [eps[0]], avoid=0) is eps[0]
+    assert router.choose([1, 2, 3], eps, avoid=frozenset({0})) is eps[1]
+    assert router.choose([1, 2, 3], [eps[0]], avoid=frozenset({0})) is eps[0]
