@@ -137,27 +137,50 @@ def add_endpoint_arguments(g) -> None:
     g.add_argument("--give-up-after", type=float, default=None, metavar="SECONDS",
                    help="while no endpoint answers, rows wait this long for one to come back, then fail "
                         "with the endpoints' faults in the errors file (default 120)")
+    g.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a request that a server has not answered in this long is tried again (elsewhere where "
+                        "another server is up); a row fails after 5 tries (default 300)")
+    g.add_argument("--tokenizer", default=None, metavar="NAME",
+                   help="the model's tokenizer, which renders the prompts here: a .gguf file, a local Hugging Face "
+                        "directory, smollm2-135m, or a hub id (default: the served model's name)")
 
 
 def _endpoint_pool(args: argparse.Namespace):
     """The EndpointPool of --endpoints; None without it (ValueError: a bad hostfile, no server)."""
+    flags = {"--api-key": args.api_key, "--give-up-after": args.give_up_after,
+             "--request-timeout": args.request_timeout, "--tokenizer": args.tokenizer}
     if args.endpoints is None:
-        if args.api_key is not None:
-            raise ValueError("--api-key needs --endpoints")
-        if args.give_up_after is not None:
-            raise ValueError("--give-up-after needs --endpoints")
+        for flag, value in flags.items():
+            if value is not None:
+                raise ValueError(f"{flag} needs --endpoints")
         return None
+    # The servers' own choices: ignored here, they would only have locked the journal (--dtype).
+    local = {"--device": args.device != "auto", "--dtype": args.dtype != "auto",
+             "--kv-cache-memory": args.kv_cache_memory is not None, "--max-num-seqs": args.max_num_seqs is not None}
+    for flag, given in local.items():
+        if given:
+            raise ValueError(f"{flag} sets up a local engine; with --endpoints the servers run the model as they "
+                             f"were started: leave {flag} out (or give it to the servers)")
     from .remote import EndpointPool, PoolError
 
-    if args.give_up_after is not None and not (math.isfinite(args.give_up_after) and args.give_up_after > 0):
-        raise ValueError(f"--give-up-after must be a finite number of seconds > 0, got {args.give_up_after:g}")
+    for flag in ("--give-up-after", "--request-timeout"):
+        value = flags[flag]
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag} must be a finite number of seconds > 0, got {value:g}")
     key = args.api_key or os.environ.get("BATCHPROMPT_API_KEY") or os.environ.get("OPENAI_API_KEY") or None
+    options = {name: value for name, value in (("give_up_after", args.give_up_after), ("timeout", args.request_timeout),
+                                                ("tokenizer", args.tokenizer)) if value is not None}
     try:
-        options = {} if args.give_up_after is None else {"give_up_after": args.give_up_after}
-        return EndpointPool(args.endpoints, model=args.model, api_key=key, max_model_len=args.max_model_len,
+        pool = EndpointPool(args.endpoints, model=args.model, api_key=key, max_model_len=args.max_model_len,
                             **options)
     except PoolError as e:
-        raise ValueError(f"--endpoints {args.endpoints}: {e}") from None
+        raise ValueError(f"--endpoints {args.endpoints}: {e}".replace("give model=", "give --model")) from None
+    try:
+        pool.tokenizer  # now: a tokenizer that cannot load is an error before any work, not a traceback
+    except PoolError as e:
+        pool.close()
+        raise ValueError(str(e)) from None
+    return pool
 
 
 def add_ray_arguments(g) -> None:

@@ -442,7 +442,9 @@ class JobRun:
             service = get_backend(self.model_path, cluster=opts.cluster, device=opts.device, dtype=opts.dtype,
                                   engine_options=opts.engine_options)
             if getattr(opts.cluster, "remote", False):  # only its tokenizer loads here
-                what = f"{len(opts.cluster.specs)} endpoint(s) serving {model_name}"
+                total, down = len(opts.cluster.specs), len(opts.cluster.down_at_start)
+                what = (f"{total - down} of {total} endpoints serving {model_name} (the others get work once they "
+                        f"answer)" if down else f"{total} endpoint(s) serving {model_name}")
             else:
                 what = f"model {model_name}"
             self.say(f"{what} ready in {time.perf_counter() - t0:.1f}s; {len(todo)} rows to run")

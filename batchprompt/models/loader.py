@@ -13,6 +13,8 @@ from .gguf_reader import read_gguf
 from .llama import LlamaModel
 
 EMBEDDED_NAMES = ("smollm2-135m", "default", "embedded")
+#: The hub repository the embedded model is a quantization of: the same tokenizer and chat template.
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

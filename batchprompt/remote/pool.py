@@ -186,6 +186,11 @@ class EndpointPool(SwarmMethods):
 
     # ---- the backend --------------------------------------------------------------------------
     @property
+    def down_at_start(self) -> dict[str, str]:
+        """{url: why} of the endpoints that did not answer when the pool was made."""
+        return dict(self._down)
+
+    @property
     def tokenizer(self):
         self._load_tokenizer()
         return self._tokenizer

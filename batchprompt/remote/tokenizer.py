@@ -11,12 +11,16 @@ import json
 from pathlib import Path
 
 from ..models import ModelNotFoundError, Tokenizer
-from ..models.loader import EMBEDDED_NAMES, resolve_model
+from ..models.loader import EMBEDDED_HUB_ID, EMBEDDED_NAMES, resolve_model
 from .errors import PoolError
 
 
 def load_tokenizer(name: str | None) -> tuple[Tokenizer, int | None]:
-    """(the tokenizer, the model's context length where its config says it)."""
+    """(the tokenizer, the model's context length where its config says it). Servers that serve
+    the embedded model under its hub id (vLLM's name for it) get the embedded files: the same
+    tokenizer, with no download."""
+    if name is not None and str(name).lower() == EMBEDDED_HUB_ID.lower():
+        name = None
     local = name is None or str(name).lower() in EMBEDDED_NAMES or Path(str(name)).expanduser().exists()
     try:
         if local:
@@ -24,8 +28,9 @@ def load_tokenizer(name: str | None) -> tuple[Tokenizer, int | None]:
             return Tokenizer.load(source), _local_context(source)
         return _hub_tokenizer(str(name))
     except ModelNotFoundError as e:
-        raise PoolError(f"cannot load the tokenizer {name!r} to render prompts: {e}. Pass tokenizer= (a local "
-                        f"model directory or .gguf file, or a hub id) to bp.EndpointPool") from None
+        raise PoolError(f"cannot load the tokenizer {name!r} to render prompts: {e}. Give the model's tokenizer: "
+                        f"a local model directory or .gguf file, or a hub id (bp.EndpointPool(tokenizer=...), "
+                        f"batchprompt run --tokenizer)") from None
 
 
 def _hub_tokenizer(repo_id: str) -> tuple[Tokenizer, int | None]:
@@ -35,8 +40,9 @@ def _hub_tokenizer(repo_id: str) -> tuple[Tokenizer, int | None]:
         hf = AutoTokenizer.from_pretrained(repo_id)
     except Exception as e:  # offline, unknown repo, gated repo
         raise PoolError(f"cannot load the tokenizer of {repo_id!r} ({type(e).__name__}: {e}); the pool renders "
-                        f"prompts with the model's own tokenizer: pass tokenizer= (a local model directory or "
-                        f".gguf file) to bp.EndpointPool, or 'smollm2-135m' for the embedded model") from None
+                        f"prompts with the model's own tokenizer: give it as a local model directory or .gguf "
+                        f"file, or 'smollm2-135m' for the embedded model (bp.EndpointPool(tokenizer=...), "
+                        f"batchprompt run --tokenizer)") from None
     try:
         ctx = getattr(AutoConfig.from_pretrained(repo_id), "max_position_embeddings", None)
     except Exception:  # noqa: BLE001  (a tokenizer-only repo: the servers' limit then applies)

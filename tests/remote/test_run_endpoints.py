@@ -227,3 +227,53 @@ def test_give_up_after_that_never_ends_is_a_bad_option(tmp_path):
         assert p.returncode == 2, err
         assert f"--give-up-after must be a finite number of seconds > 0, got {value}" in err
         assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_local_engine_options_with_endpoints_are_refused_before_waiting(tmp_path, capsys):
+    """They were ignored (--device cuda ran on a machine with no GPU), yet --dtype locked the journal."""
+    from batchprompt.cli import main
+
+    _write_input(tmp_path / "in.jsonl", 2)
+    for flag, value in (("--dtype", "bfloat16"), ("--device", "cuda"), ("--kv-cache-memory", "1GiB"),
+                        ("--max-num-seqs", "2")):
+        code = main(["run", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--no-progress",
+                     "--endpoints", "http://127.0.0.1:9", flag, value])
+        err = capsys.readouterr().err
+        assert code == 2 and f"{flag} sets up a local engine; with --endpoints the servers run the model" in err, err
+    for flag, value in (("--request-timeout", "5"), ("--tokenizer", "smollm2-135m")):
+        code = main(["run", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), flag, value])
+        assert code == 2 and f"{flag} needs --endpoints" in capsys.readouterr().err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_request_timeout_and_tokenizer_reach_the_pool(two_servers, tmp_path, capsys):
+    """A server that never answered held each try for the pool's 300 s with no way to shorten it
+    from the command line; a tokenizer that could not load was a PoolError traceback, exit 1."""
+    from batchprompt.cli import _endpoint_pool, build_parser, main
+
+    inp = tmp_path / "in.jsonl"
+    _write_input(inp, 2)
+    args = build_parser().parse_args(["run", str(inp), "-o", "x", "--endpoints", two_servers[0].url,
+                                      "--request-timeout", "7", "--tokenizer", "smollm2-135m"])
+    pool = _endpoint_pool(args)
+    try:
+        assert pool.timeout == 7.0 and pool.tokenizer is not None
+    finally:
+        pool.close()
+    missing = tmp_path / "no-such-model.gguf"
+    code = main(["run", str(inp), "-o", str(tmp_path / "out.jsonl"), "--no-progress", "--endpoints",
+                 two_servers[0].url, "--tokenizer", str(missing)])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot load the tokenizer" in err and "batchprompt run --tokenizer" in err, err
+    assert "Traceback" not in err and not (tmp_path / "out.jsonl").exists()
+
+
+def test_the_embedded_models_hub_id_takes_the_embedded_tokenizer_offline(monkeypatch):
+    """A server started with --served-model-name HuggingFaceTB/SmolLM2-135M-Instruct (as the README
+    shows for vLLM users) could not be used offline: the pool looked for that tokenizer on the hub."""
+    from batchprompt.remote.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tok, ctx = load_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")
+    embedded, embedded_ctx = load_tokenizer("smollm2-135m")
+    assert tok.encode("Hello, world") == embedded.encode("Hello, world") and ctx == embedded_ctx
