@@ -297,8 +297,12 @@ class RemoteBackend:
 
     def _clamped(self, item: Item):
         """max_tokens cut to what the context leaves (as the local engine stops at its end;
-        vLLM refuses a request whose prompt + max_tokens exceed the context)."""
+        vLLM refuses a request whose prompt + max_tokens exceed the context). A greedy row's
+        seed is left out: it changes nothing, and rows share a request only where their
+        parameters are equal (a seed per row sent greedy rows one request each, 3x slower)."""
         p, ctx = item.params, self._max_model_len
+        if p.temperature == 0 and p.seed is not None:
+            p = dataclasses.replace(p, seed=None)
         if ctx and len(item.token_ids) + p.max_tokens > ctx:
             room = ctx - len(item.token_ids)
             return dataclasses.replace(p, max_tokens=room, min_tokens=min(p.min_tokens, room))

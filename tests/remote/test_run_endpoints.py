@@ -277,3 +277,32 @@ def test_the_embedded_models_hub_id_takes_the_embedded_tokenizer_offline(monkeyp
     tok, ctx = load_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")
     embedded, embedded_ctx = load_tokenizer("smollm2-135m")
     assert tok.encode("Hello, world") == embedded.encode("Hello, world") and ctx == embedded_ctx
+
+
+def _completion_requests(server) -> float:
+    import re as _re
+
+    import httpx
+
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return sum(float(v) for v in _re.findall(r'batchprompt_http_requests_total\{[^}]*route="/v1/completions"[^}]*\} '
+                                             r'([0-9.e+]+)', text))
+
+
+def test_greedy_rows_with_a_seed_each_share_requests(two_servers, tmp_path, capsys):
+    """A greedy row's seed changes nothing, but rows share a request only where their parameters are
+    equal: a seed per row sent each row in a request of its own (one request per row, 3x slower)."""
+    from batchprompt.cli import main
+
+    inp = tmp_path / "in.jsonl"
+    with open(inp, "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": {"messages": [{"role": "user", "content": f"Count to {i}."}],
+                                         "max_tokens": 4, "temperature": 0, "seed": i}}) + "\n")
+    before = _completion_requests(two_servers[0])
+    assert main(["run", str(inp), "-o", str(tmp_path / "out.jsonl"), "--no-progress",
+                 "--endpoints", two_servers[0].url]) == 0, capsys.readouterr().err
+    sent = _completion_requests(two_servers[0]) - before
+    assert 1 <= sent <= 4, sent
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 12
