@@ -113,7 +113,7 @@ class SamplingParams:
                f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
         # Greedy samples are all the same one: best_of would run best_of times for it (vLLM refuses it too).
         _check(self.best_of is None or self.best_of <= self.n or self.temperature > 0,
-               f"best_of={self.best_of} with temperature 0 (greedy) computes {self.best_of} identical samples: "
+               f"best_of {self.best_of} with temperature 0 (greedy) computes {self.best_of} identical samples: "
                f"set a temperature > 0, or leave out best_of")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         # Plain Python numbers from here on (numpy scalars in, JSON-serialisable values out).

@@ -122,7 +122,7 @@ def test_a_stop_string_inside_min_tokens_never_counts():
     ({"n": 0}, r"n must be an integer >= 1"),
     ({"n": 3, "best_of": 2}, r"best_of must be an integer >= n \(3\)"),
     # it ran best_of identical greedy samples
-    ({"best_of": 3, "temperature": 0}, r"best_of=3 with temperature 0 \(greedy\) computes 3 identical samples"),
+    ({"best_of": 3, "temperature": 0}, r"best_of 3 with temperature 0 \(greedy\) computes 3 identical samples"),
     ({"stop": 5}, r"stop must be a string or a list of strings, got 5"),  # was a bare TypeError
     ({"stop": ["a", 1]}, r"stop must be a string or a list of strings"),
 ])

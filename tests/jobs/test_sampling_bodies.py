@@ -176,3 +176,13 @@ def test_a_rows_choice_mode_takes_the_commands_choices():
     spec = row_spec(row(CHAT, choice_mode="score"), opts)
     assert spec.labels == ("spam", "ham") and spec.choice_mode == "score"
     assert row_spec(row(CHAT, choice_mode="decode", guided_choice=["a", "b"]), OPTS).labels == ("a", "b")
+
+
+def test_best_of_at_temperature_0_names_best_of_as_its_param():
+    """The message began "best_of=3", so the 400's param was null."""
+    from batchprompt.jobs.refusals import param_named
+
+    body = {"best_of": 3, "temperature": 0}
+    with pytest.raises(ValueError) as e:
+        row_params(row(COMPLETION, **body), OPTS)
+    assert param_named(str(e.value), body) == "best_of"
