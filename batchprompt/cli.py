@@ -174,7 +174,7 @@ def _endpoint_pool(args: argparse.Namespace):
         pool = EndpointPool(args.endpoints, model=args.model, api_key=key, max_model_len=args.max_model_len,
                             **options)
     except PoolError as e:
-        raise ValueError(f"--endpoints {args.endpoints}: {e}".replace("give model=", "give --model")) from None
+        raise ValueError(f"--endpoints {args.endpoints}: {e}") from None
     try:
         pool.tokenizer  # now: a tokenizer that cannot load is an error before any work, not a traceback
     except PoolError as e:

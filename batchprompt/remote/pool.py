@@ -167,14 +167,14 @@ class EndpointPool(SwarmMethods):
             common = set.intersection(*(set(m) for m in served.values()))
             if len(common) != 1:
                 listing = "; ".join(f"{u}: {', '.join(m) or 'none'}" for u, m in served.items())
-                raise PoolError(f"give model=: the endpoints serve {listing}" if common else
-                                f"the endpoints serve no model in common ({listing}); give model= and a hostfile "
-                                f"of servers that all serve it")
+                raise PoolError(f"give model= (or --model): the endpoints serve {listing}" if common else
+                                f"the endpoints serve no model in common ({listing}); give model= (or --model) and "
+                                f"a hostfile of servers that all serve it")
             model = common.pop()
         for url, models in served.items():
             if model not in models:
                 raise PoolError(f"{url} does not serve the model {model!r} (it serves: {', '.join(models) or 'none'}); "
-                                f"give model= one of those, or leave that endpoint out of the hostfile")
+                                f"give model= (or --model) one of those, or leave that endpoint out of the hostfile")
         lens = []
         for _, data in up:
             for m in data.get("data") or []:
