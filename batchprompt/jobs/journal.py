@@ -32,9 +32,10 @@ def _settings_json(settings: dict[str, object]) -> str:
 class Journal:
     def __init__(self, path: str | Path, fingerprint: str, restart: bool = False,
                  commit_every: int = 64, commit_seconds: float = 0.5, job_id: str | None = None,
-                 settings: dict[str, object] | None = None):
+                 settings: dict[str, object] | None = None, legacy: str | None = None):
         """`settings`: what the fingerprint was made of, by name (kept, so that a mismatch can
-        say which of them changed)."""
+        say which of them changed). `legacy`: the same job's fingerprint as an older batchprompt
+        made it; a journal that holds it is this job's (and takes the new one)."""
         self.path = Path(path)
         self._pending: list[tuple[int, str | None, int, str, int, int]] = []
         try:
@@ -56,7 +57,7 @@ class Journal:
         if self.get("fingerprint") is None and not restart and not self.empty():  # its meta table was lost
             self._refuse(f"the journal {self.path} holds rows but no record of the job they belong to "
                          f"(damaged, or not made by batchprompt): give another --journal, or --restart to start over")
-        other = self.get("fingerprint") not in (None, fingerprint)  # begun for another input or options
+        other = self.get("fingerprint") not in (None, fingerprint, legacy)  # begun for another input or options
         if other and not restart and not self.empty():
             changed = self._changed(settings)
             self._refuse(

@@ -123,11 +123,25 @@ def default_errors_path(output: str) -> str | None:
     return None if output == "-" else output + ".errors.jsonl"
 
 
-def fingerprint(raw: bytes, opts: JobOptions) -> tuple[str, dict[str, object]]:
+def fingerprint(raw: bytes, opts: JobOptions, rows: list[Row] | None = None) -> tuple[str, dict[str, object]]:
     """The job's fingerprint (its input and the options that change its answers), and the same
-    by the names a user knows, kept in the journal so that a mismatch names what changed."""
-    settings = [("--model", _model_named(opts.model)), ("--system", opts.system), ("--max-tokens", opts.max_tokens),
-                ("--temperature", opts.temperature), ("--seed", opts.seed), ("--column", opts.column),
+    by the names a user knows, kept in the journal so that a mismatch names what changed.
+
+    Given the input's `rows`, a default that no row takes counts as not given: --max-tokens
+    where every row sets its own, --temperature likewise, --seed where every row sets its own or
+    runs greedy. A resume with another value of such an option changes no answer, so it is not
+    refused. (Without `rows`: every option counts, as journals before this rule have it.)"""
+    max_tokens, temperature, seed = opts.max_tokens, opts.temperature, opts.seed
+    if rows is not None:
+        if all(max_tokens_field(r.body) is not None for r in rows):
+            max_tokens = None
+        if all(r.body.get("temperature") is not None for r in rows):
+            temperature = None
+        if all(r.body.get("seed") is not None or _given(r.body.get("temperature"), opts.temperature) == 0
+               for r in rows):
+            seed = None
+    settings = [("--model", _model_named(opts.model)), ("--system", opts.system), ("--max-tokens", max_tokens),
+                ("--temperature", temperature), ("--seed", seed), ("--column", opts.column),
                 ("--format", opts.format), ("the structured-output options", opts.structured)]
     if opts.dtype != "auto":  # a resume in another dtype mixed float32 and bfloat16 rows; "auto" (the
         settings.append(("--dtype", opts.dtype))  # default) adds nothing, so journals of before still match
@@ -370,7 +384,8 @@ class JobRun:
         if opts.format == "table":
             table_output_format(opts.output, table.format)  # a .jsonl output is refused here
         errors_path = opts.errors or default_errors_path(opts.output)
-        fp, settings = fingerprint(table.raw, opts)
+        fp, settings = fingerprint(table.raw, opts, table.rows)
+        legacy_fp = fingerprint(table.raw, opts)[0]  # as journals of jobs begun before that rule have it
         journal_path = opts.journal or (cache_dir() / "jobs" / f"{fp[:16]}.sqlite" if opts.output == "-"
                                         else opts.output + ".journal")
         check_distinct({"input": opts.input, "output (-o)": opts.output, "errors file (--errors)": errors_path,
@@ -392,7 +407,7 @@ class JobRun:
             return self.dry_run(table)
         with JobLock(journal_path):  # a second run of this job stops here, naming this one
             fresh = not Path(journal_path).exists()
-            journal = Journal(journal_path, fp, restart=opts.restart, settings=settings)
+            journal = Journal(journal_path, fp, restart=opts.restart, settings=settings, legacy=legacy_fp)
             unused = False
             try:
                 return self._run(table, journal, model_name, errors_path)

@@ -171,3 +171,49 @@ def test_a_file_that_is_not_a_journal_is_refused_not_written_into(tmp_path):
     with pytest.raises(JournalMismatch, match="holds rows but no record of the job they belong to"):
         Journal(damaged, "job-b")
     assert Journal(damaged, "job-b", restart=True).empty()
+
+
+def test_a_default_no_row_takes_does_not_change_the_jobs_fingerprint(tmp_path):
+    """--max-tokens blocked a resume ("changed since the job began") where every row sets its own
+    max_tokens, though the option changed no answer; likewise --temperature, and --seed where
+    each row sets its own or runs greedy. A default some row takes still counts."""
+    from batchprompt.jobs.rows import read_input
+    from batchprompt.jobs.run import JobOptions, fingerprint
+
+    def rows(*bodies):
+        inp = tmp_path / "in.jsonl"
+        inp.write_text("".join(json.dumps({"custom_id": str(i), "method": "POST", "url": "/v1/completions",
+                                           "body": {"prompt": "hi", **b}}) + "\n" for i, b in enumerate(bodies)))
+        return read_input(str(inp), None)
+
+    def fp(table, **opts):
+        return fingerprint(table.raw, JobOptions("in", "out", **opts), table.rows)[0]
+
+    own = rows({"max_tokens": 3, "temperature": 0.7, "seed": 1}, {"max_completion_tokens": 4, "temperature": 0})
+    assert fp(own, max_tokens=10) == fp(own, max_tokens=20)
+    assert fp(own, temperature=0.0) == fp(own, temperature=0.9)
+    assert fp(own, seed=1) == fp(own, seed=2)
+    assert fp(own) != fp(own, model="other")
+
+    some = rows({"max_tokens": 3}, {"temperature": 0.5})  # the first row takes --temperature, the second --max-tokens
+    assert fp(some, max_tokens=10) != fp(some, max_tokens=20)
+    assert fp(some, temperature=0.0) != fp(some, temperature=0.9)
+    assert fp(some, seed=1) != fp(some, seed=2)  # the second row samples, with the job's seed
+    greedy = rows({"max_tokens": 3}, {"max_tokens": 3, "temperature": 0})
+    assert fp(greedy, seed=1) == fp(greedy, seed=2)
+    assert fp(greedy, seed=1, temperature=0.5) != fp(greedy, seed=2, temperature=0.5)
+
+
+def test_a_journal_begun_under_the_older_fingerprint_is_taken_over(tmp_path):
+    """A job begun by a batchprompt that counted every option resumes under the new fingerprint
+    (given as `legacy`), its rows kept; a journal of another job is still refused."""
+    path = tmp_path / "j.sqlite"
+    j = Journal(path, "old")
+    j.record(1, "a", True, {"x": 1})
+    j.close()
+    j = Journal(path, "new", legacy="old")
+    assert j.done_lines() == {1} and j.get("fingerprint") == "new"
+    j.close()
+    assert Journal(path, "new", legacy="unrelated").done_lines() == {1}
+    with pytest.raises(JournalMismatch):
+        Journal(path, "other", legacy="old")

@@ -214,6 +214,8 @@ def test_a_job_resumes_under_any_name_of_its_model_and_a_mismatch_names_what_cha
     assert main(args) == 0
     capsys.readouterr()
     assert main(args + ["--model", "smollm2-135m"]) == 0, capsys.readouterr().err  # already complete
+    # Every row sets its own max_tokens (6), so --max-tokens changes no answer: it does not block a resume.
+    assert main([a if a != "2" else "5" for a in args]) == 0, capsys.readouterr().err
     assert main(args + ["--temperature", "0.5"]) == 2
     err = capsys.readouterr().err
     assert "changed since the job began: --temperature (0.0 → 0.5)" in err, err
