@@ -169,6 +169,8 @@ def _from_response_format(fmt: Any, json_schema: Any) -> Any:
         return "json_object"
     if kind == "json_schema":
         inner = fmt.get("json_schema")
+        if isinstance(inner, dict) and inner.get("strict") is not None and not isinstance(inner["strict"], bool):
+            raise ValueError(f"response_format.json_schema.strict must be true or false, got {inner['strict']!r}")
         if isinstance(inner, dict) and isinstance(inner.get("schema"), dict):
             return inner["schema"]
         got = (f"; its schema is {type(inner['schema']).__name__}, not a JSON object"

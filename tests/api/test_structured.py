@@ -159,6 +159,9 @@ def test_a_rejected_schema_fails_its_call_before_any_work(lm, messages):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": {"type": "strin"}}}},
      "bad response_format .*strin"),
     ({"grammar": "start: missing_rule"}, "(?s)bad grammar .*missing_rule"),
+    # OpenAI refuses a strict that is not a boolean ("yes" was taken as given)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": {}, "strict": "yes"}}},
+     "json_schema.strict must be true or false, got 'yes'"),
 ])
 def test_options_the_grammar_engine_rejects_are_value_errors_at_once(options, message):
     """No model and no tokenizer needed: the CLI checks its flags with this before loading one."""
