@@ -133,6 +133,7 @@ def fingerprint(raw: bytes, opts: JobOptions, rows: list[Row] | None = None) -> 
     refused. (Without `rows`: every option counts, as journals before this rule have it.)"""
     max_tokens, temperature, seed = opts.max_tokens, opts.temperature, opts.seed
     if rows is not None:
+        rows = [r for r in rows if isinstance(r, Row)]  # a line that is not a request takes no default  # a line that is not a request takes no default
         if all(max_tokens_field(r.body) is not None for r in rows):
             max_tokens = None
         if all(r.body.get("temperature") is not None for r in rows):

@@ -422,7 +422,7 @@ class RemoteBackend:
         else:
             share = e.weight / sum(x.weight for x in alive)
         remaining = self._unanswered_tokens(alive)
-        free_slots = max(1, int(e.limit) - e.in_flight)
+        free_slots = e.free_places
         rest_of_share = remaining * share - e.outstanding_tokens
         # The floor is never more than the endpoint's share: a small job's first request took
         # 1,024 tokens, most of it, and its other endpoints had little or nothing to do.
@@ -443,7 +443,7 @@ class RemoteBackend:
 
     def _launch(self, sb: SubBatch, e: Endpoint) -> None:
         sb.endpoint, sb.started = e, time.monotonic()
-        e.begin(sb.tokens)
+        e.begin(sb.tokens, len(sb.works))
         self._flying.add(sb)
         self._in_flight_items += len(sb.works)
         for w in sb.works:
@@ -463,7 +463,7 @@ class RemoteBackend:
             log.exception("sending a sub-batch failed")
             self._retry(sb, e, EndpointError("server", f"{type(err).__name__}: {err}"))
         finally:
-            e.end(sb.tokens, done_tokens)
+            e.end(sb.tokens, done_tokens, len(sb.works))
             self._flying.discard(sb)
             self._in_flight_items -= len(sb.works)
             for w in sb.works:

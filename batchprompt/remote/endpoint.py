@@ -2,7 +2,8 @@
 
 Its HTTP client, whether it is alive, how much work it holds (requests and tokens in flight),
 how many requests it may hold at once (adaptive: grows by one after each success, halves on
-429/503 or a timeout, as TCP's AIMD), how fast it has been (tokens per busy second, for
+429/503 or a timeout, as TCP's AIMD; a request of fewer than SLOT_PROMPTS prompts takes that
+part of a place, so rows that cannot share a request still keep the server busy), how fast it has been (tokens per busy second, for
 sizing its sub-batches), and its counters. Everything here runs on the pool's loop thread."""
 from __future__ import annotations
 
@@ -20,6 +21,17 @@ from .hostfile import EndpointSpec
 
 #: The rate is measured over about this many busy seconds (older work counts less and less).
 RATE_HORIZON_S = 30.0
+#: A request takes a whole place of the endpoint's limit from this many prompts up; a smaller one
+#: that part (one prompt: 1/16). Rows whose parameters differ (a seed each at temperature > 0,
+#: a max_tokens each) go one request each, and a limit of 4 requests held a vLLM server to 4
+#: sequences at once; they now fill 64 (16 per place), as many as a client sending one prompt
+#: per request would keep in flight.
+SLOT_PROMPTS = 16
+
+
+def places(prompts: int | None) -> float:
+    """The part of the endpoint's limit a request of `prompts` prompts takes (None: a whole place)."""
+    return 1.0 if prompts is None else min(1.0, max(1, prompts) / SLOT_PROMPTS)
 
 
 @dataclass
@@ -44,7 +56,8 @@ class Endpoint:
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self.max_in_flight = max_in_flight
         self.limit = float(min(initial_in_flight, max_in_flight))
-        self.in_flight = 0
+        self.in_flight = 0  # requests
+        self.places_used = 0.0  # of the limit, by the requests in flight (see places)
         self.outstanding_tokens = 0
         self.alive = True
         self.dead_reason: str | None = None
@@ -63,7 +76,8 @@ class Endpoint:
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            limits = httpx.Limits(max_connections=self.max_in_flight + 4, max_keepalive_connections=self.max_in_flight + 4)
+            most = self.max_in_flight * SLOT_PROMPTS + 4
+            limits = httpx.Limits(max_connections=most, max_keepalive_connections=most)
             self._client = httpx.AsyncClient(base_url=self.url, headers=headers, limits=limits,
                                              timeout=httpx.Timeout(self.timeout, connect=self.connect_timeout))
         return self._client
@@ -160,16 +174,23 @@ class Endpoint:
 
     # ---- load and health ---------------------------------------------------------------------
     def has_room(self, now: float) -> bool:
-        return self.alive and now >= self.backoff_until and self.in_flight < int(self.limit)
+        return self.alive and now >= self.backoff_until and self.places_used < int(self.limit) - 1e-9
 
-    def begin(self, tokens: int) -> None:
+    @property
+    def free_places(self) -> int:
+        """Whole places of the limit not taken (at least 1)."""
+        return max(1, int(int(self.limit) - self.places_used + 1e-9))
+
+    def begin(self, tokens: int, prompts: int | None = None) -> None:
         self._account()
         self.in_flight += 1
+        self.places_used += places(prompts)
         self.outstanding_tokens += tokens
 
-    def end(self, tokens: int, done_tokens: int = 0) -> None:
+    def end(self, tokens: int, done_tokens: int = 0, prompts: int | None = None) -> None:
         self._account()
         self.in_flight -= 1
+        self.places_used = max(0.0, self.places_used - places(prompts)) if self.in_flight else 0.0
         self.outstanding_tokens -= tokens
         self._done_tokens += done_tokens
 

@@ -55,7 +55,9 @@ class EndpointPool(SwarmMethods):
         min_batch_tokens: the least it holds while work remains (a sub-batch holds the rest of its
         endpoint's share of the work not yet answered, over the requests it may still send).
     max_in_flight: requests at once per endpoint, at most (the adaptive limit starts at
-        initial_in_flight, grows on success, halves on 429/503).
+        initial_in_flight, grows on success, halves on 429/503); a request of fewer than 16
+        prompts takes that part of a place (endpoint.SLOT_PROMPTS), so 16 one-prompt requests
+        fill one.
     max_retries: failed tries a prompt gets before it fails with the last error.
     give_up_after: seconds work waits while no endpoint is alive (each is probed meanwhile, and
         taken back when it answers), before it fails with an error naming each endpoint's fault.

@@ -183,7 +183,8 @@ def test_a_default_no_row_takes_does_not_change_the_jobs_fingerprint(tmp_path):
     def rows(*bodies):
         inp = tmp_path / "in.jsonl"
         inp.write_text("".join(json.dumps({"custom_id": str(i), "method": "POST", "url": "/v1/completions",
-                                           "body": {"prompt": "hi", **b}}) + "\n" for i, b in enumerate(bodies)))
+                                           "body": {"prompt": "hi", **b}}) + "\n" for i, b in enumerate(bodies))
+                       + "this line is not JSON\n")
         return read_input(str(inp), None)
 
     def fp(table, **opts):

@@ -101,6 +101,36 @@ def test_equal_endpoints_get_their_whole_share_in_the_first_requests(two_servers
         assert first_round == 4, stats
 
 
+def test_rows_that_cannot_share_a_request_still_fill_the_server(two_servers):
+    """Rows whose parameters differ (a seed each, sampling) go one request each; the limit of 4
+    requests per endpoint held a server to 4 of them at once, a 48-row job to 12 rounds. A
+    one-prompt request now takes a sixteenth of a place."""
+    prompts = [f"Item {i}: say yes." for i in range(48)]
+    with pool_of([two_servers[0].url], max_in_flight=4, initial_in_flight=4) as pool:
+        lm = bp.LanguageModel.create(model=pool, max_tokens=3, temperature=0.7)
+        most, done = 0, threading.Event()
+
+        def watch():
+            nonlocal most
+            while not done.is_set():
+                most = max(most, pool.endpoint_stats()[0]["in_flight"])
+                time.sleep(0.005)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            batches = [lm.create_batch([p], seed=i) for i, p in enumerate(prompts)]  # each its own seed
+            for b in batches:
+                b.start()
+            results = [b.wait()[0] for b in batches]
+        finally:
+            done.set()
+            watcher.join()
+        stats = pool.endpoint_stats()[0]
+    assert [r.error for r in results] == [None] * 48
+    assert stats["requests"] >= 48 and most > 4, (most, stats)
+
+
 def test_a_small_job_with_one_system_prompt_is_shared_and_computed_once(two_servers):
     """The least sub-batch (min_batch_tokens, 1,024) let the first request take most of a small
     job, and the prompts' shared system prompt drew the rest to the same endpoint (prefix
