@@ -26,6 +26,7 @@ from . import openai_io, refusals
 from .ids import check_ids
 from .journal import Journal, record_json
 from .lock import JobLock
+from .live_rate import LiveRate
 from .rows import CHAT, COMPLETION, InputError, Row, RowError, Table, max_tokens_field, read_input
 from .storage import StorageError, write_atomic
 
@@ -605,6 +606,7 @@ class JobRun:
             if errors:
                 bar.set_postfix_str(f"{errors} errors", refresh=False)
         batch = Batch(service, items)
+        live = LiveRate(service) if bar is not None else None
         created = openai_io.now()
         tok = service.tokenizer
         token_text = openai_io.TokenPieces.of(tok)
@@ -614,6 +616,8 @@ class JobRun:
             for got in batch.with_ticks(journal.commit_seconds / 2):
                 if got is None:  # no result for a while: what finished before becomes durable now
                     journal.flush_due()
+                    if live is not None and (rate := live.rate()) is not None:
+                        bar.set_postfix_str(f"{rate:,.0f} tok/s, {errors} errors")
                     continue
                 index, result = got
                 for p, choice in owners[index]:
@@ -632,7 +636,9 @@ class JobRun:
                     summary.run_completion_tokens += sum(c.usage.completion_tokens for c in p.choices)
                     if bar is not None:
                         bar.update(1)
-                        rate = summary.run_completion_tokens / (time.perf_counter() - t0)
+                        rate = live.rate()
+                        if rate is None:  # before the backend's counters are in: the rows finished
+                            rate = summary.run_completion_tokens / (time.perf_counter() - t0)
                         bar.set_postfix_str(f"{rate:,.0f} tok/s, {errors} errors", refresh=False)
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (sigterm.Terminated)
             batch.cancel()
@@ -644,6 +650,8 @@ class JobRun:
             raise
         finally:
             redirect.close()
+            if live is not None:
+                live.close()
             if bar is not None:
                 bar.close()
         journal.flush()
