@@ -75,3 +75,22 @@ def test_label_scoring_with_n_or_best_of_is_refused_in_the_users_words():
     for extra in ({"n": 2}, {"best_of": 2}):
         with pytest.raises(ValueError, match="n and best_of do not apply to choice_mode='score'"):
             SamplingParams(score_choices=((1,), (2,)), **extra)
+
+
+def test_a_large_logit_bias_is_checked_without_quoting_it_once_per_entry():
+    """Each entry's check made its error message, quoting the whole mapping: a logit_bias of
+    the whole vocabulary (49,152 entries) took a server minutes of CPU, beside every other
+    request. The message is made only for an entry that fails."""
+
+    class Quoted(dict):
+        times = 0
+
+        def __repr__(self):
+            Quoted.times += 1
+            return super().__repr__()
+
+    bias = Quoted({str(i): 0.5 for i in range(2000)})
+    assert len(SamplingParams(logit_bias=bias).logit_bias) == 2000
+    assert Quoted.times == 0
+    with pytest.raises(ValueError, match="got 500 for token '7'"):
+        SamplingParams(logit_bias=Quoted({"3": 1, "7": 500}))
