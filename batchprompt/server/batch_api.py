@@ -62,7 +62,7 @@ class BatchApi:
         """Resume the batches an earlier run of the server left unfinished."""
         resumed = 0
         for batch in await asyncio.to_thread(self.store.unfinished_batches):
-            if batch.get("model") != self.state.model_id:
+            if not await self._same_model(batch):
                 log.warning("batch %s was made for the model %s, not %s: it resumes when a server with that "
                             "model uses this --data-dir", batch["id"], batch.get("model"), self.state.model_id)
                 continue
@@ -73,6 +73,23 @@ class BatchApi:
         if resumed:
             log.info("resuming %d unfinished batch(es) from %s", resumed, self.dir.root)
         self._sweeper = asyncio.ensure_future(self._sweep_often())
+
+    async def _same_model(self, batch: dict[str, Any]) -> bool:
+        """Whether this server runs the model the batch was made for: the same model files,
+        whatever name they are served under now (--served-model-name); a batch made before the
+        files were kept, by a name of this server's model (the embedded model's names included)."""
+        key = await asyncio.to_thread(self.store.model_key, batch["id"])
+        if key is not None:
+            return key == self.state.model_key
+        name = batch.get("model")
+        if name in self.state.model_names:
+            return True
+        from ..models.loader import EMBEDDED_NAMES, ModelNotFoundError, embedded_model_path
+
+        try:
+            return str(name).lower() in EMBEDDED_NAMES and self.state.model_key == str(embedded_model_path())
+        except ModelNotFoundError:  # the embedded model is not installed: this server runs another
+            return False
 
     async def _sweep_often(self) -> None:
         while True:
@@ -196,7 +213,7 @@ class BatchApi:
                  "expires_at": now + window, "finalizing_at": None, "completed_at": None, "failed_at": None,
                  "expired_at": None, "cancelling_at": None, "cancelled_at": None, "request_counts": counts,
                  "metadata": metadata, "model": self.state.model_id, "usage": usage}
-        await asyncio.to_thread(self.store.add_batch, batch, output_expires_s)
+        await asyncio.to_thread(self.store.add_batch, batch, output_expires_s, self.state.model_key)
         log.info("batch %s created: %s from file %s, window %s", batch["id"], endpoint, file_id,
                  body["completion_window"])
         self._spawn(batch)

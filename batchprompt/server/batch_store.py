@@ -43,9 +43,10 @@ class Store:
                             "id TEXT UNIQUE NOT NULL, status TEXT NOT NULL, input_file_id TEXT NOT NULL, "
                             "data TEXT NOT NULL)")
             # Columns added since the first release: a --data-dir made before gets them, null.
-            for table, column in (("files", "expires_at"), ("batches", "output_expires_s")):
+            for table, column, kind in (("files", "expires_at", "INTEGER"), ("batches", "output_expires_s", "INTEGER"),
+                                        ("batches", "model_key", "TEXT")):
                 if column not in {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}:
-                    self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} INTEGER")
+                    self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
         except sqlite3.Error as e:
             raise StorageError.from_sqlite(self.path, e) from None
 
@@ -92,12 +93,21 @@ class Store:
         return [dict(zip(FILE_COLUMNS, r)) for r in rows], more
 
     # ---- batches ----------------------------------------------------------------------------
-    def add_batch(self, batch: dict[str, Any], output_expires_s: int | None = None) -> None:
+    def add_batch(self, batch: dict[str, Any], output_expires_s: int | None = None,
+                  model_key: str | None = None) -> None:
         """`output_expires_s`: its output and error files expire that long after they are made
-        (OpenAI's output_expires_after; not a field of the Batch object, so kept beside it)."""
+        (OpenAI's output_expires_after); `model_key`: the model that runs it, whatever name it is
+        served under. Neither is a field of the Batch object, so both are kept beside it."""
         with self._tx(write=True) as db:
-            db.execute("INSERT INTO batches (id, status, input_file_id, data, output_expires_s) VALUES (?, ?, ?, ?, ?)",
-                       (batch["id"], batch["status"], batch["input_file_id"], json.dumps(batch), output_expires_s))
+            db.execute("INSERT INTO batches (id, status, input_file_id, data, output_expires_s, model_key) "
+                       "VALUES (?, ?, ?, ?, ?, ?)", (batch["id"], batch["status"], batch["input_file_id"],
+                                                     json.dumps(batch), output_expires_s, model_key))
+
+    def model_key(self, batch_id: str) -> str | None:
+        """The model a batch was made for (None for a batch made before it was kept)."""
+        with self._tx() as db:
+            row = db.execute("SELECT model_key FROM batches WHERE id = ?", (batch_id,)).fetchone()
+        return row[0] if row else None
 
     def output_expires_s(self, batch_id: str) -> int | None:
         with self._tx() as db:
