@@ -107,12 +107,16 @@ def check_callback_url(url: Any) -> str:
         ok = parts is not None and parts.scheme in ("http", "https") and bool(parts.hostname)
         if ok:
             try:
-                parts.port  # noqa: B018 - raises ValueError when out of range
-            except ValueError:
-                why = "has a port that is not a number from 0 to 65535"
+                if parts.port == 0:  # urlsplit takes 0; no receiver listens there
+                    raise ValueError
+            except ValueError:  # urlsplit's, out of range
+                why = "has a port that is not a number from 1 to 65535"
                 raise
             httpx.URL(url)
             _check_ip(parts.hostname)
+            if not _host_name_ok(parts.hostname):
+                why = "has a host that is not a valid name or address"
+                raise ValueError
     except (ValueError, httpx.InvalidURL):
         ok = False
     if not ok:
@@ -135,6 +139,25 @@ def _without_credentials(url: str) -> tuple[str, tuple[str, str] | None]:
         return url, None
     host = parts.netloc.rsplit("@", 1)[1]
     return parts._replace(netloc=host).geturl(), (unquote(parts.username), unquote(parts.password or ""))
+
+
+def _host_name_ok(host: str) -> bool:
+    """An IP address, or a DNS name: dot-separated labels of letters, digits, hyphens (not at a
+    label's ends) and underscores (container service names have them), 63 characters at most;
+    non-ASCII names as IDNA. ("exa mple.com", "a_b..c" and "-bad-.com" were taken, and failed
+    only at delivery, after every retry.)"""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    try:
+        ascii_name = host.rstrip(".").encode("idna").decode("ascii")
+    except UnicodeError:
+        return False
+    return all(0 < len(label) <= 63 and not label.startswith("-") and not label.endswith("-")
+               and all(c.isascii() and (c.isalnum() or c in "-_") for c in label)
+               for label in ascii_name.split("."))
 
 
 def _check_ip(host: str) -> None:

@@ -117,6 +117,11 @@ def test_sync_takes_the_batch_apis_structured_options(server):
     ({"prompts": ["x"], "callback_url": "http://127.0.0.1:99999/"}, 400, "callback_url"),
     ({"prompts": ["x"], "callback_url": "http://999.1.1.1/"}, 400, "callback_url"),
     ({"prompts": ["x"], "callback_url": "http://127.0.0.1:9/\u0000x"}, 400, "callback_url"),
+    # Accepted (202), then failed only at delivery, after every retry:
+    ({"prompts": ["x"], "callback_url": "http://exa mple.com/"}, 400, "callback_url"),
+    ({"prompts": ["x"], "callback_url": "http://a_b..c/"}, 400, "callback_url"),
+    ({"prompts": ["x"], "callback_url": "http://-bad-.com/"}, 400, "callback_url"),
+    ({"prompts": ["x"], "callback_url": "http://127.0.0.1:0/"}, 400, "callback_url"),
     # As /v1/completions: it took 1,000 samples (29 s of engine for one 2-token prompt).
     ({"prompts": ["x"], "best_of": 1000}, 400, "best_of"),
     ({"prompts": ["x"], "callback_url": "http://127.0.0.1:9/hook", "sync": True}, 400, "callback_url"),
