@@ -142,10 +142,9 @@ def serve(config, log_level: str = "info") -> int:
     if config.api_key is None and not config.loopback:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
                     config.host)
-    in_use = _port_in_use(config.host, config.port)
-    if in_use:  # before the model loads (a minute on a big one), not after
-        return _fail(f"cannot listen on {config.host}:{config.port} ({in_use}): stop what holds it, or choose "
-                     f"another --port")
+    cannot = _cannot_listen(config.host, config.port)
+    if cannot:  # before the model loads (a minute on a big one), not after
+        return _fail(cannot)
     log.info("loading %s", state.model_id)
     try:
         with sigterm_as_interrupt():  # Ctrl-C or SIGTERM while loading: stop, as cleanly
@@ -179,22 +178,32 @@ def _stop_engine(model_key, log: logging.Logger, timeout: float = ENGINE_STOP_S)
         return True
 
 
-def _port_in_use(host: str, port: int) -> str | None:
-    """Why (host, port) cannot be listened on now, or None. Bound as uvicorn binds it (with
-    SO_REUSEADDR, so a port in TIME_WAIT passes), then released for it."""
+def _cannot_listen(host: str, port: int) -> str | None:
+    """Why (host, port) cannot be listened on now, and what to do, or None. Bound as uvicorn
+    binds it (with SO_REUSEADDR, so a port in TIME_WAIT passes), then released for it. A --host
+    that is no address of this machine is told as such: "stop what holds it, or choose another
+    --port" was the answer to --host 999.1.1.1."""
+    import errno
     import socket
 
+    where = f"cannot listen on {host}:{port}"
+    not_here = (f"{where}: --host {host} is not an address of this machine; give 127.0.0.1 (this machine only), "
+                f"0.0.0.0 (every interface) or one of its own addresses")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError as e:
-        return f"{type(e).__name__}: {e}"
+        return f"{not_here} ({e.strerror or e})"
     family, kind, proto, _, address = infos[0]
     with socket.socket(family, kind, proto) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(address)
         except OSError as e:
-            return e.strerror or str(e)
+            if e.errno == errno.EADDRNOTAVAIL:
+                return f"{not_here} ({e.strerror})"
+            if e.errno == errno.EACCES:
+                return f"{where} ({e.strerror}): ports below 1024 need root; choose another --port, such as 8000"
+            return f"{where} ({e.strerror or e}): stop what holds it, or choose another --port"
     return None
 
 
