@@ -127,8 +127,11 @@ async def batch_sync(request: Request) -> dict:
         results = await waiting.results(request, state, batch)
     finally:
         session.destroy()
-    usage = {"prompt_tokens": sum(r.usage.prompt_tokens for r in results),
-             "completion_tokens": sum(r.usage.completion_tokens for r in results)}
+    # A prompt refused before it ran (longer than the context, ...) costs nothing: its tokens
+    # were counted (9,031 prompt tokens for one prompt that never ran).
+    ran = [r for r in results if r.error is None or r.usage.completion_tokens]
+    usage = {"prompt_tokens": sum(r.usage.prompt_tokens for r in ran),
+             "completion_tokens": sum(r.usage.completion_tokens for r in ran)}
     return {"id": "batch_" + uuid.uuid4().hex, "object": "batch.sync", "model": state.model_id,
             "status": "completed", "progress": progress_json(batch.progress), "usage": usage,
             "results": [result_json(r) for r in results]}

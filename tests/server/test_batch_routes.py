@@ -95,6 +95,19 @@ def test_sync_refuses_a_huge_prompt_by_its_length(server):
     assert fine["error"] is None
 
 
+def test_sync_usage_counts_only_the_prompts_that_ran(server):
+    """A prompt refused for the context (tokenized first: not too long by its characters alone)
+    had its tokens counted in the batch's usage, though it never ran."""
+    with server.client() as c:
+        r = c.post("/v1/batch/sync", json={"prompts": ["Hi " * 9000, "Hi"], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    bad, fine = out["results"]
+    assert bad["error"] is not None and fine["error"] is None, bad
+    assert out["usage"] == {"prompt_tokens": fine["usage"]["prompt_tokens"],
+                            "completion_tokens": fine["usage"]["completion_tokens"]}, (out["usage"], bad["usage"])
+
+
 def test_sync_takes_the_batch_apis_structured_options(server):
     with server.client() as c:
         r = c.post("/v1/batch/sync", json={"prompts": ["WIN a prize now!!!", "See you at lunch"],
