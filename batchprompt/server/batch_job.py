@@ -168,7 +168,10 @@ class BatchJob:
             return Checked(errors=[{"code": "missing_file", "line": None, "param": "input_file_id",
                                     "message": f"the input file {b['input_file_id']} cannot be read ({e.strerror})"}])
         state = api.state
-        return await asyncio.to_thread(check_input, raw, b["endpoint"], state.model_id, state.model_names)
+        # The name the batch was made under counts too: resumed under another --served-model-name
+        # (the same model), its rows naming the old one failed as model_not_found.
+        names = set(state.model_names) | ({b["model"]} if b.get("model") else set())
+        return await asyncio.to_thread(check_input, raw, b["endpoint"], state.model_id, names)
 
     async def _begin(self) -> None:
         """validating -> in_progress: its output and error files exist from now on."""
