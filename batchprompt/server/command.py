@@ -139,12 +139,12 @@ def serve(config, log_level: str = "info") -> int:
 
     log = logging.getLogger("batchprompt")
     state = ServerState(config)  # an unknown model fails here
-    if config.api_key is None and not config.loopback:
-        log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
-                    config.host)
     cannot = _cannot_listen(config.host, config.port)
     if cannot:  # before the model loads (a minute on a big one), not after
         return _fail(cannot)
+    if config.api_key is None and not config.loopback:  # once it can listen there (not before an error)
+        log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
+                    config.host)
     log.info("loading %s", state.model_id)
     try:
         with sigterm_as_interrupt():  # Ctrl-C or SIGTERM while loading: stop, as cleanly
