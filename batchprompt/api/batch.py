@@ -127,7 +127,9 @@ class Batch:
         self._started_at = time.monotonic()
         if self._show_progress:
             from tqdm import tqdm
-            self._bar = tqdm(total=self.total, unit="prompt", dynamic_ncols=True, smoothing=0.1)
+
+            from ..progress_bar import width_options
+            self._bar = tqdm(total=self.total, unit="prompt", smoothing=0.1, **width_options())
         source = Source(priority=self._priority)
         order = [p for p in self._prepared if p.token_ids is not None]
         if self._group and len(order) > 1:

@@ -576,7 +576,9 @@ class LLMEngine:
         bar = None
         if progress:
             from tqdm import tqdm
-            bar = tqdm(total=len(ids), unit="prompt", dynamic_ncols=True)
+
+            from ..progress_bar import width_options
+            bar = tqdm(total=len(ids), unit="prompt", **width_options())
         while len(results) < len(ids):
             finished = [o for o in self.step() if o.request_id in mine or self._held.append(o)]
             for o in finished:

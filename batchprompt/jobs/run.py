@@ -598,7 +598,9 @@ class JobRun:
             from tqdm import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm
 
-            bar = tqdm(total=total_rows, initial=answered, unit="row", dynamic_ncols=True, file=self.out,
+            from ..progress_bar import width_options
+
+            bar = tqdm(total=total_rows, initial=answered, unit="row", file=self.out, **width_options(self.out),
                        smoothing=0.1)
             # A warning while the bar shows (an endpoint down, a replica lost) gets a line of its
             # own above the bar; it was written onto the bar's line.
