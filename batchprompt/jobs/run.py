@@ -124,17 +124,18 @@ def default_errors_path(output: str) -> str | None:
     return None if output == "-" else output + ".errors.jsonl"
 
 
-def fingerprint(raw: bytes, opts: JobOptions, rows: list[Row] | None = None) -> tuple[str, dict[str, object]]:
-    """The job's fingerprint (its input and the options that change its answers), and the same
-    by the names a user knows, kept in the journal so that a mismatch names what changed.
+def fingerprint(raw: bytes, opts: JobOptions, rows: list[Row] | None = None) -> tuple[str, dict[str, object], str]:
+    """The job's fingerprint (its input and the options that change its answers), the same by
+    the names a user knows (kept in the journal so that a mismatch names what changed), and the
+    fingerprint with every option counted, as journals of jobs begun before the rule below have it.
 
     Given the input's `rows`, a default that no row takes counts as not given: --max-tokens
     where every row sets its own, --temperature likewise, --seed where every row sets its own or
     runs greedy. A resume with another value of such an option changes no answer, so it is not
-    refused. (Without `rows`: every option counts, as journals before this rule have it.)"""
+    refused. (Without `rows`: every option counts.)"""
     max_tokens, temperature, seed = opts.max_tokens, opts.temperature, opts.seed
     if rows is not None:
-        rows = [r for r in rows if isinstance(r, Row)]  # a line that is not a request takes no default  # a line that is not a request takes no default
+        rows = [r for r in rows if isinstance(r, Row)]  # a line that is not a request takes no default
         if all(max_tokens_field(r.body) is not None for r in rows):
             max_tokens = None
         if all(r.body.get("temperature") is not None for r in rows):
@@ -142,15 +143,26 @@ def fingerprint(raw: bytes, opts: JobOptions, rows: list[Row] | None = None) -> 
         if all(r.body.get("seed") is not None or _given(r.body.get("temperature"), opts.temperature) == 0
                for r in rows):
             seed = None
+    raw_hash = hashlib.sha256(raw)  # once: the input may be large
+    settings = _settings(opts, max_tokens, temperature, seed)
+    named = {"the input file (sha256)": raw_hash.hexdigest()[:16], **dict(settings)}
+    return (_hashed(raw_hash, settings), named,
+            _hashed(raw_hash, _settings(opts, opts.max_tokens, opts.temperature, opts.seed)))
+
+
+def _settings(opts: JobOptions, max_tokens, temperature, seed) -> list[tuple[str, object]]:
     settings = [("--model", _model_named(opts.model)), ("--system", opts.system), ("--max-tokens", max_tokens),
                 ("--temperature", temperature), ("--seed", seed), ("--column", opts.column),
                 ("--format", opts.format), ("the structured-output options", opts.structured)]
     if opts.dtype != "auto":  # a resume in another dtype mixed float32 and bfloat16 rows; "auto" (the
         settings.append(("--dtype", opts.dtype))  # default) adds nothing, so journals of before still match
-    h = hashlib.sha256(raw)
-    named = {"the input file (sha256)": h.hexdigest()[:16], **dict(settings)}
+    return settings
+
+
+def _hashed(raw_hash, settings: list[tuple[str, object]]) -> str:
+    h = raw_hash.copy()
     h.update(json.dumps([value for _, value in settings], sort_keys=True).encode())
-    return h.hexdigest(), named
+    return h.hexdigest()
 
 
 def _model_named(model: str | None) -> str | None:
@@ -386,8 +398,7 @@ class JobRun:
         if opts.format == "table":
             table_output_format(opts.output, table.format)  # a .jsonl output is refused here
         errors_path = opts.errors or default_errors_path(opts.output)
-        fp, settings = fingerprint(table.raw, opts, table.rows)
-        legacy_fp = fingerprint(table.raw, opts)[0]  # as journals of jobs begun before that rule have it
+        fp, settings, legacy_fp = fingerprint(table.raw, opts, table.rows)
         journal_path = opts.journal or (cache_dir() / "jobs" / f"{fp[:16]}.sqlite" if opts.output == "-"
                                         else opts.output + ".journal")
         check_distinct({"input": opts.input, "output (-o)": opts.output, "errors file (--errors)": errors_path,
