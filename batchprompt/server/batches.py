@@ -113,7 +113,6 @@ def check_callback_url(url: Any) -> str:
                 why = "has a port that is not a number from 1 to 65535"
                 raise
             httpx.URL(url)
-            _check_ip(parts.hostname)
             if not _host_name_ok(parts.hostname):
                 why = "has a host that is not a valid name or address"
                 raise ValueError
@@ -150,7 +149,8 @@ def _host_name_ok(host: str) -> bool:
         ipaddress.ip_address(host)
         return True
     except ValueError:
-        pass
+        if host.replace(".", "").isdigit():  # digits and dots are an IPv4 address, and not a valid one (999.1.1.1)
+            return False
     try:
         ascii_name = host.rstrip(".").encode("idna").decode("ascii")
     except UnicodeError:
@@ -158,12 +158,6 @@ def _host_name_ok(host: str) -> bool:
     return all(0 < len(label) <= 63 and not label.startswith("-") and not label.endswith("-")
                and all(c.isascii() and (c.isalnum() or c in "-_") for c in label)
                for label in ascii_name.split("."))
-
-
-def _check_ip(host: str) -> None:
-    """A host written as digits and dots is an IPv4 address, and must be a valid one (999.1.1.1 is not)."""
-    if host.replace(".", "").isdigit():
-        ipaddress.IPv4Address(host)
 
 
 #: A webhook posted as the server stops (the batch "cancelled") waits at most this long for its
