@@ -107,7 +107,11 @@ class BatchJob:
                 await asyncio.shield(self.api.io(journal.close))
 
     async def _fail(self, error: Exception) -> None:
-        """The batch fails with the reason; the requests that finished before stay in its output
+        await self._end_failed([{"code": "internal_error", "line": None, "param": None,
+                                 "message": f"{type(error).__name__}: {error}"}])
+
+    async def _end_failed(self, errors: list[dict[str, Any]]) -> None:
+        """The batch fails with `errors`; the requests that finished before stay in its output
         and error files (written from the journal, as at a normal end)."""
         if self._engine_batch is not None:  # what is still in the engine stops
             await self._engine_batch.cancel_async()
@@ -119,9 +123,7 @@ class BatchJob:
                 sizes = await self.api.io(self._write_files, journal, batch["output_file_id"], batch["error_file_id"])
             except Exception:  # noqa: BLE001  (the batch still fails, below; its files say why they are missing)
                 log.exception("batch %s: the requests that finished could not be written to its files", self.id)
-        errors = _errors([{"code": "internal_error", "line": None, "param": None,
-                           "message": f"{type(error).__name__}: {error}"}])
-        await self._record_end(batch, sizes, status="failed", failed_at=int(time.time()), errors=errors)
+        await self._record_end(batch, sizes, status="failed", failed_at=int(time.time()), errors=_errors(errors))
 
     async def _record_end(self, batch: dict[str, Any], sizes: dict[str, int], **changes) -> None:
         """The batch's end in the store: its files' sizes, `changes`, its request counts and usage.
@@ -143,7 +145,12 @@ class BatchJob:
         status = self.batch["status"]
         checked = await self._check()
         if not checked.ok:
-            await self.api.update(self.id, status="failed", failed_at=int(time.time()), errors=_errors(checked.errors))
+            if self.batch["output_file_id"] is None:  # never begun: nothing ran, it has no files
+                await self.api.update(self.id, status="failed", failed_at=int(time.time()),
+                                      errors=_errors(checked.errors))
+            else:  # begun before a restart: the requests that finished then stay in its files
+                self.counts.total = (self.batch.get("request_counts") or {}).get("total", 0)
+                await self._end_failed(checked.errors)
             return
         self.counts.total = len(checked.rows)
         if status == "finalizing":  # killed while writing its outputs: every request is journaled

@@ -129,3 +129,42 @@ def test_the_requests_a_cancel_counts_as_finished_outlive_a_kill_9(tmp_path):
         assert [x["custom_id"] for x in lines_of(client, done.output_file_id)] == [f"q{i}" for i in range(4)]
     finally:
         assert stop_server(srv) == 0, srv.output()
+
+
+def test_a_batch_that_no_longer_validates_on_resume_fails_with_the_rows_it_had_finished(tmp_path):
+    """A batch in progress whose input no longer validates when the server starts again (here
+    its file was damaged on disk while the server was down) fails, naming the line. It kept the
+    ids of output and error files that were never written: files.content(output_file_id)
+    answered 404. Its output file now holds the requests finished before the restart, and an
+    error file with nothing in it is dropped (its id null), as at any end."""
+    data = tmp_path / "data"
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    first_dir.mkdir(), second_dir.mkdir()
+    srv = start_server(first_dir, "--data-dir", str(data))
+    try:
+        client = srv.openai()
+        quick = [completion_line(f"q{i}", f"Item {i}:", 2) for i in range(4)]
+        f = upload(client, quick + [long_line("long0", 3000)])
+        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        journal = data / "batches" / f"{batch.id}.journal"
+        deadline = time.monotonic() + 300
+        while len(journaled(journal)) < 4:
+            assert time.monotonic() < deadline, "the quick requests were not journaled within 300s"
+            time.sleep(0.1)
+    finally:
+        srv.proc.send_signal(signal.SIGKILL)
+        srv.proc.wait(STOP_TIMEOUT_S)
+    path = data / "files" / f.id
+    path.write_bytes(path.read_bytes() + b"{not json\n")
+    srv = start_server(second_dir, "--data-dir", str(data))
+    try:
+        client = srv.openai()
+        done = wait_ended(client, batch.id, timeout=300)
+        assert done.status == "failed" and done.failed_at is not None, done
+        assert [(e.line, e.code) for e in done.errors.data] == [(6, "invalid_json")]
+        assert done.output_file_id is not None and done.error_file_id is None
+        assert [x["custom_id"] for x in lines_of(client, done.output_file_id)] == [f"q{i}" for i in range(4)]
+        assert done.request_counts.model_dump() == {"total": 5, "completed": 4, "failed": 0}
+        assert srv.stats()["engine"]["finished"] == 0  # nothing ran again
+    finally:
+        assert stop_server(srv) == 0, srv.output()
