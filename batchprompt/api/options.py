@@ -81,10 +81,12 @@ class GenerationOptions:
     def base_params(self) -> SamplingParams:
         return SamplingParams(**{k: getattr(self, k) for k in SAMPLING})
 
-    def sampling_params(self, tokenizer=None) -> tuple[SamplingParams, OutputSpec | None]:
-        """The engine parameters and the structured-output spec that checks the results."""
+    def sampling_params(self, tokenizer=None, max_model_len: int | None = None) -> tuple[SamplingParams,
+                                                                                      OutputSpec | None]:
+        """The engine parameters and the structured-output spec that checks the results
+        (`max_model_len`: the model's context, where known)."""
         if self.choice_mode is not None and self.choices is None:  # it was ignored: free text came back
             raise ValueError(f"choice_mode={self.choice_mode!r} picks among choices: give choices=[...] with it, "
                              f"or leave choice_mode out")
         params, spec = self.base_params(), self.output_spec()
-        return (spec.sampling_params(params, tokenizer), spec) if spec else (params, None)
+        return (spec.sampling_params(params, tokenizer, max_model_len), spec) if spec else (params, None)

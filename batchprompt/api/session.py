@@ -117,12 +117,12 @@ class LanguageModel:
         if isinstance(prompts, (set, frozenset)):
             raise TypeError("a batch takes a list of prompts, whose order its results keep; a set has none: give "
                             "a list (list(prompts), or sorted(prompts))")
-        params, spec = self.options.merged(options).sampling_params(self._service.tokenizer)
+        limit = getattr(self._service, "max_model_len", None)
+        params, spec = self.options.merged(options).sampling_params(self._service.tokenizer, limit)
         problem = self._service.refuses(params)
         if problem:  # no row could run: refused once, as a bad option is (each row failed alone)
             raise ValueError(problem)
         out = []
-        limit = getattr(self._service, "max_model_len", None)
         for i, prompt in enumerate(prompts):
             try:
                 out.append(Prepared(i, self._render_ids(self._messages(prompt), limit), params, spec=spec))

@@ -67,17 +67,22 @@ class OutputSpec:
                        model_class=model_class)
         return None
 
-    def sampling_params(self, params: SamplingParams, tokenizer) -> SamplingParams:
-        """`params` with this constraint applied (the tokenizer turns labels into token ids)."""
+    def sampling_params(self, params: SamplingParams, tokenizer, max_model_len: int | None = None) -> SamplingParams:
+        """`params` with this constraint applied (the tokenizer turns labels into token ids).
+        `max_model_len`: the model's context, which no label may fill (where known)."""
         if not self.labels:
             return replace(params, grammar=self.grammar)
         # Each label as the tokenizer writes it, in both modes: scoring sums those tokens'
         # log-probs; decoding may only walk those token sequences (a trie of the labels).
         ids = tuple(tuple(tokenizer.encode(c, add_special_tokens=False)) for c in self.labels)
         longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+        if max_model_len is not None and len(ids[longest]) >= max_model_len:  # no max_tokens can make it fit
+            raise ValueError(f"choices: the label {_shown(self.labels[longest])} is {len(ids[longest])} tokens, "
+                             f"more than the model's context holds beside a prompt ({max_model_len} tokens): "
+                             f"shorten the label")
         if len(ids[longest]) > params.max_tokens:  # in both modes: a label is never cut, nor runs past
-            raise ValueError(f"choices: the label {self.labels[longest]!r} is {len(ids[longest])} tokens, more "
-                             f"than max_tokens ({params.max_tokens}): raise max_tokens to at least "
+            raise ValueError(f"choices: the label {_shown(self.labels[longest])} is {len(ids[longest])} tokens, "
+                             f"more than max_tokens ({params.max_tokens}): raise max_tokens to at least "
                              f"{len(ids[longest])}")
         if params.min_tokens > len(ids[longest]):  # it met the label's length as "max_tokens (1)"
             raise ValueError(f"choices: min_tokens ({params.min_tokens}) is more than the longest label "
@@ -90,7 +95,7 @@ class OutputSpec:
         special = _special_ids(tokenizer)
         for label, label_ids in zip(self.labels, ids):
             if special.intersection(label_ids):  # decoding it ends the answer (or reads as nothing)
-                raise ValueError(f"choices: the label {label!r} holds a special token of the model, which decoding "
+                raise ValueError(f"choices: the label {_shown(label)} holds a special token of the model, which decoding "
                                  f"does not write as text: use choice_mode='score', or a label without it")
         if sum(map(len, ids)) + len(ids) > MAX_TOKEN_SYMBOLS:
             # Too many for a trie of token ids (the grammar engine's symbols run out at about 12,000
@@ -187,3 +192,10 @@ def _checked(option: str, grammar: Grammar) -> Grammar:
     if problem is not None:
         raise ValueError(f"bad {option} (fix it): {problem}")
     return grammar
+
+
+def _shown(label: str) -> str:
+    """A label as an error message quotes it: cut short (a label of 9,000 tokens made a message
+    of 18,000 characters, in every row of a job's errors file)."""
+    shown = repr(label)
+    return shown if len(shown) <= 80 else f"{shown[:60]}... ({len(label):,} characters)"

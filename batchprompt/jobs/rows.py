@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ..api.messages import check_messages
+from .bodies import CHAT, COMPLETION, type_problem
 
-CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
 COMPLETION_OR_CHAT = "plain"  # plain JSONL: a "prompt" string is a user turn (chat template applies)
 #: Body fields we act on.
 KNOWN_FIELDS = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
@@ -332,6 +332,9 @@ def _openai_row(n: int, obj: dict) -> Row | RowError:
     body = obj.get("body")
     if not isinstance(body, dict):
         return RowError(n, cid, "missing_body", f"line {n}: the line has no body object", "body")
+    wrong = type_problem(url, body, missing=False)  # the endpoint's 422, as a Batch API row has it
+    if wrong is not None:
+        return RowError(n, cid, "invalid_type", f"line {n}: {wrong[0]}", wrong[1])
     return row_from_body(n, cid, url, body)
 
 

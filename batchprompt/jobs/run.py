@@ -476,6 +476,7 @@ class JobRun:
             else:
                 what = f"model {model_name}"
             self.say(f"{what} ready in {time.perf_counter() - t0:.1f}s; {len(todo)} rows to run")
+            self._check_choices_option(todo, service)
         for r in table.rows:  # unreadable rows are answered now
             if isinstance(r, RowError) and r.line not in done:
                 journal.record(r.line, r.custom_id, False, openai_io.row_error_line(r, journal.job_id))
@@ -507,6 +508,24 @@ class JobRun:
             journal.set("complete", "1")  # only now: a failed write leaves the job to finish next time
         return summary
 
+    def _check_choices_option(self, todo: list[Row], service: Backend) -> None:
+        """--choices against --max-tokens (and the context), once the tokenizer is here: a label
+        longer than either is a bad option, refused before any row is journaled where a row takes
+        both (it asks for no constraint and no max_tokens of its own). Each such row failed alone,
+        with the same error, and once the option was fixed the job would not resume."""
+        opts = self.opts
+        if not opts.structured.get("choices"):
+            return
+        if not any(max_tokens_field(r.body) is None and all(r.body.get(f) is None for f in refusals.STRUCTURED_FIELDS)
+                   for r in todo):
+            return
+        spec = OutputSpec.from_options(**opts.structured)
+        try:
+            spec.sampling_params(SamplingParams(max_tokens=opts.max_tokens, temperature=0.0), service.tokenizer,
+                                 service.max_model_len)
+        except ValueError as e:
+            raise InputError(f"--{str(e).replace('max_tokens', '--max-tokens')}") from None
+
     def _outputs_match(self, journal: Journal, errors_path: str | None) -> bool:
         """The output (and errors) file are there, with a line per row the journal has for each
         (JSONL): one deleted, emptied or overwritten since is written again from the journal (an
@@ -530,7 +549,7 @@ class JobRun:
             params, n = row_params(row, self.opts)
             spec = row_spec(row, self.opts)
             if spec is not None:
-                params = spec.sampling_params(params, tok)
+                params = spec.sampling_params(params, tok, service.max_model_len)
             problem = service.refuses(params)  # choice_mode "score" on a pool of endpoints, say
             if problem:
                 raise ValueError(problem)

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ..jobs import rows as job_rows
+from ..jobs.bodies import type_problem
 from ..jobs.ids import check_ids
 from ..jobs.rows import CHAT, COMPLETION, Row, RowError
-from .schemas import body_type_error
 
 ENDPOINTS = (CHAT, COMPLETION)
 MAX_ERRORS = 100  # lines named in a failed batch's errors (then one line says how many more)
@@ -67,9 +67,9 @@ def check_input(raw: bytes, endpoint: str, model_id: str, model_names: Iterable[
                                            f"to requests", "custom_id")
             continue
         first_line[cid] = n
-        wrong = body_type_error(endpoint, obj["body"])  # the endpoint's 422 for the same body
+        wrong = type_problem(endpoint, obj["body"])  # the endpoint's 422 for the same body
         if wrong is not None:
-            out.rows.append(RowError(n, cid, wrong.code, f"line {n}: {wrong.message}", wrong.param))
+            out.rows.append(RowError(n, cid, "invalid_type", f"line {n}: {wrong[0]}", wrong[1]))
         else:
             out.rows.append(job_rows.row_from_body(n, cid, endpoint, obj["body"]))
     if bad > len(out.errors):

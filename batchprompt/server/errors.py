@@ -4,7 +4,6 @@ Routes raise ApiError (or let FastAPI/Starlette raise theirs); the handlers here
 into the same JSON body, so a client reads one shape whatever went wrong."""
 from __future__ import annotations
 
-import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -12,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from ..jobs.bodies import wrong_types
 from ..jobs.openai_io import error_type
 from ..jobs.storage import StorageError
 
@@ -72,33 +72,6 @@ def validation_response(errors) -> JSONResponse:
 
 
 def validation_error(errors) -> ApiError:
-    """422 naming the first field that is wrong (all of them in the message), from pydantic's
-    errors: what the endpoints answer a body of wrong types with, and a Batch API row too."""
-    errors = list(errors)
-    params = [".".join(str(p) for p in err.get("loc", ()) if p != "body" and not _type_tag(p)) for err in errors]
-    shown = "; ".join(f"{p or 'body'}: {err.get('msg')}{_given(err)}" for p, err in list(zip(params, errors))[:4])
-    if len(errors) > 4:
-        shown += f" (and {len(errors) - 4} more)"
-    return ApiError(422, f"invalid request: {shown}", "invalid_type", params[0] if params else None)
-
-
-#: What pydantic puts in an error's location for the member of a union that failed ("stop.str"):
-#: not a field of the body.
-TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "bytes", "tuple", "set"}
-
-
-def _type_tag(part) -> bool:
-    return isinstance(part, str) and (part in TYPE_TAGS or "[" in part
-                                      or part.startswith(("function-", "constrained-")))
-
-
-def _given(err: dict) -> str:
-    """", got <the value>" for an error about a value the client sent (as JSON writes it: true,
-    null; cut short)."""
-    if err.get("type") == "missing" or "input" not in err:
-        return ""
-    try:
-        shown = json.dumps(err["input"], ensure_ascii=False)
-    except (TypeError, ValueError):
-        shown = repr(err["input"])
-    return f", got {shown if len(shown) <= 60 else shown[:57] + '...'}"
+    """422 `invalid_type` naming the first field that is wrong (jobs.bodies.wrong_types)."""
+    message, param = wrong_types(errors)
+    return ApiError(422, message, "invalid_type", param)

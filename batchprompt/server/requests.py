@@ -43,7 +43,7 @@ def plan_chat(body: dict, tokenizer, max_model_len: int) -> Plan:
     row = _row(CHAT, body, rid)
     # Unset max_tokens: the rest of the context, as vLLM (the engine stops at the context's end).
     opts = JobOptions(input="-", output="-", max_tokens=max_model_len, temperature=TEMPERATURE)
-    params, n, spec = _params(row, opts, tokenizer)
+    params, n, spec = _params(row, opts, tokenizer, max_model_len)
     ids = _checked(_render(row, tokenizer, max_model_len), max_model_len, "the messages",
                    refusals.asked_max_tokens(body, params))
     return Plan(rid, [row], n, _choices([ids], params, n, spec), openai_io.TokenPieces.of(tokenizer), tokenizer.decode)
@@ -56,7 +56,7 @@ def plan_completion(body: dict, tokenizer, max_model_len: int) -> Plan:
     # The body's options are checked once, with a stand-in prompt: the prompt forms are ours.
     base = _row(COMPLETION, {**body, "prompt": "-"}, rid)
     opts = JobOptions(input="-", output="-", max_tokens=COMPLETION_MAX_TOKENS, temperature=TEMPERATURE)
-    params, n, spec = _params(base, opts, tokenizer)
+    params, n, spec = _params(base, opts, tokenizer, max_model_len)
     rows, all_ids = [], []
     for i, prompt in enumerate(prompts):
         what = f"prompt {i}" if len(prompts) > 1 else "the prompt"
@@ -74,7 +74,7 @@ def plan_row(row: Row, tokenizer, max_model_len: int) -> list[Prepared]:
     # Unset max_tokens: as the endpoints (chat: the rest of the context; completions: 16).
     opts = JobOptions(input="-", output="-", max_tokens=max_model_len if row.url == CHAT else COMPLETION_MAX_TOKENS,
                       temperature=TEMPERATURE)
-    params, n, spec = _params(row, opts, tokenizer)
+    params, n, spec = _params(row, opts, tokenizer, max_model_len)
     asked = refusals.asked_max_tokens(row.body, params) if row.url == CHAT else params.max_tokens
     ids = _checked(_render(row, tokenizer, max_model_len), max_model_len,
                    "the messages" if row.url == CHAT else "the prompt", asked)
@@ -127,12 +127,12 @@ def _row(url: str, body: dict, rid: str) -> Row:
     return row
 
 
-def _params(row: Row, opts: JobOptions, tokenizer):
+def _params(row: Row, opts: JobOptions, tokenizer, max_model_len: int):
     try:
         params, n = row_params(row, opts)
         spec = row_spec(row, opts)
         if spec is not None:
-            params = spec.sampling_params(params, tokenizer)
+            params = spec.sampling_params(params, tokenizer, max_model_len)
     except (TypeError, ValueError) as e:
         raise ApiError(400, str(e), "invalid_parameter", refusals.param_named(str(e), row.body)) from None
     return params, n, spec

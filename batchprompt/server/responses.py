@@ -143,6 +143,8 @@ class Chunks:
                                      "finish_reason": None}]))
         finish = {"index": i, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"],
                   "stop_reason": choice.get("stop_reason")}
+        if "choice_probs" in choice:  # score mode: on the choice's last chunk, as on the whole answer's choice
+            finish["choice_probs"] = choice["choice_probs"]
         return out + [self._chunk([finish])]
 
     def end(self) -> list[str]:

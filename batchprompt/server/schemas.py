@@ -1,10 +1,11 @@
 """Request bodies: read as JSON (400 if not, 413 above the limit) and checked against a schema
-of the fields' types (422 naming each wrong field). Values are checked later, by the code that
-uses them (SamplingParams, the job reader, OutputSpec), with their messages (400).
+of the fields' types (422 naming each wrong field). The completion endpoints' bodies are
+jobs.bodies', shared with the Batch API's rows and `batchprompt run`. Values are checked later,
+by the code that uses them (SamplingParams, the job reader, OutputSpec), with their messages
+(400).
 
-The models are strict (no "1" for 1) and allow other fields: vLLM's extra parameters and
-OpenAI's fields we ignore pass through to the job reader, which knows them. The Batch API's
-create is the exception: as OpenAI's, it answers 400 naming a field it does not know."""
+The models are strict (no "1" for 1) and allow other fields. The Batch API's create is the
+exception: as OpenAI's, it answers 400 naming a field it does not know."""
 from __future__ import annotations
 
 from typing import Any, Type
@@ -14,78 +15,14 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import ClientDisconnect
 
-from ..jobs.rows import CHAT, COMPLETION, json_loads, json_type
-from .errors import ApiError, validation_error
+from ..jobs.bodies import ChatRequest, CompletionRequest, StrictBody  # noqa: F401  (the routes' bodies)
+from ..jobs.rows import json_loads, json_type
+from .errors import ApiError
 
 CLIENT_GONE = 499  # nginx's "client closed request": what the metrics count it as
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-
-
-class StreamOptions(_Body):
-    include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None  # vLLM's: the usage so far in every chunk
-
-
-class _OpenAIBody(_Body):
-    model: str | None = None  # vLLM lets it out; OpenAI's clients always send it
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
-    guided_choice: list[str] | None = None
-    guided_regex: str | None = None
-    guided_json: Any = None  # a schema object, or its JSON text
-    guided_grammar: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
-    logit_bias: dict[str, float] | None = None  # JSON keys are text: token ids as strings
-    include_stop_str_in_output: bool | None = None
-    best_of: int | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-
-
-class ChatRequest(_OpenAIBody):
-    messages: list[Any]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-
-
-class CompletionRequest(_OpenAIBody):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: bool | int | None = None  # k top tokens; true/false as a Batch API row takes them
-    echo: bool | None = None
-
-
-#: The body each endpoint takes (a Batch API row's too).
-ENDPOINT_BODIES: dict[str, Type[BaseModel]] = {CHAT: ChatRequest, COMPLETION: CompletionRequest}
-
-
-def body_type_error(url: str, body: dict[str, Any]) -> ApiError | None:
-    """The 422 that the endpoint `url` answers `body` with for a field of the wrong type, if any
-    (a Batch API row's error is the endpoint's answer to the same body)."""
-    try:
-        ENDPOINT_BODIES[url].model_validate(body)
-    except ValidationError as e:
-        return validation_error(e.errors())
-    return None
-
-
-class BatchRequest(_Body):
+class BatchRequest(StrictBody):
     """/v1/batch/sync and /async: prompts, a shared system prompt, the batch API's options."""
 
     prompts: list[str | list[dict[str, Any]]]
@@ -119,7 +56,7 @@ async def read_json(request: Request, schema: Type[BaseModel]) -> dict[str, Any]
     return obj
 
 
-class BatchCreate(_Body):
+class BatchCreate(StrictBody):
     """POST /v1/batches (OpenAI's fields, and only those: a misspelt one is a 400, not ignored)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")

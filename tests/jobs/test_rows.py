@@ -127,21 +127,22 @@ def chat(body_extra=None, **line):
                                                        **(body_extra or {})}, **line}
 
 
-@pytest.mark.parametrize("body, match", [
-    ({"n": 0}, r"n must be an integer from 1 to 128, got 0"),
-    ({"n": -1}, r"n must be an integer from 1 to 128"),
-    ({"n": 1.5}, r"n must be an integer"),
-    ({"n": True}, r"n must be an integer"),
-    ({"n": 129}, r"n must be an integer from 1 to 128"),
-    ({"best_of": 1000000}, r"best_of must be an integer from 1 to 128, got 1000000"),
-    ({"max_tokens": 0}, r"max_tokens must be an integer >= 1, got 0"),
-    ({"max_completion_tokens": "5"}, r"max_completion_tokens must be an integer"),
+@pytest.mark.parametrize("body, code, match", [
+    ({"n": 0}, "invalid_parameter", r"n must be an integer from 1 to 128, got 0"),
+    ({"n": -1}, "invalid_parameter", r"n must be an integer from 1 to 128"),
+    ({"n": 129}, "invalid_parameter", r"n must be an integer from 1 to 128"),
+    ({"best_of": 1000000}, "invalid_parameter", r"best_of must be an integer from 1 to 128, got 1000000"),
+    ({"max_tokens": 0}, "invalid_parameter", r"max_tokens must be an integer >= 1, got 0"),
+    # A value of the wrong type: the endpoint's 422, as the server answers the same body
+    ({"n": 1.5}, "invalid_type", r"n: Input should be a valid integer, got 1.5"),
+    ({"n": True}, "invalid_type", r"n: Input should be a valid integer, got true"),
+    ({"max_completion_tokens": "5"}, "invalid_type", r'max_completion_tokens: Input should be a valid integer, got "5"'),
 ])
-def test_bad_counts_are_row_errors_not_defaults(body, match):
+def test_bad_counts_are_row_errors_not_defaults(body, code, match):
     rows = read_jsonl(lines({"prompt": "fine"}, chat(body)))
     err = rows[1]
-    # invalid_parameter, as the server answers the same body sent alone (it was invalid_request)
-    assert isinstance(err, RowError) and err.code == "invalid_parameter" and err.line == 2
+    # the server's code for the same body sent alone (it was invalid_request)
+    assert isinstance(err, RowError) and err.code == code and err.line == 2, err
     assert re.search(match, err.message) and err.message.startswith("line 2:")
 
 

@@ -57,8 +57,20 @@ def test_completion_logprobs_k_means_top_k():
     ({"include_stop_str_in_output": "no"}, "include_stop_str_in_output must be true or false, got 'no'"),
 ])
 def test_bad_sampling_fields_fail_the_row(body, match):
+    # A plain line's body: an OpenAI line's field of the wrong type is refused as it is read (below).
+    plain = read_jsonl(json.dumps({"messages": [{"role": "user", "content": "x"}], **body}).encode())[0]
     with pytest.raises(ValueError, match=match):
-        row_params(row(CHAT, **body), OPTS)
+        row_params(plain, OPTS)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"stop": 5}, "stop"), ({"stop": True}, "stop"), ({"stop": {"a": 1}}, "stop"), ({"logit_bias": [1, 2]}, "logit_bias"),
+    ({"logprobs": "yes"}, "logprobs"), ({"include_stop_str_in_output": "no"}, "include_stop_str_in_output"),
+])
+def test_a_field_of_the_wrong_type_fails_an_openai_line_as_the_endpoint_does(body, param):
+    err = row(CHAT, **body)
+    assert (err.code, err.param) == ("invalid_type", param), err
+    assert openai_io.row_error_line(err)["response"]["status_code"] == 422
 
 
 def test_stop_as_a_completion_rows_list_or_string():
@@ -72,8 +84,12 @@ def test_stop_as_a_completion_rows_list_or_string():
 @pytest.mark.parametrize("value", [21, -1, 2.5, "3"])
 def test_a_completions_bad_logprobs_is_named_as_sent(value):
     # It was refused as "top_logprobs must be ...", a field the client never sent.
-    with pytest.raises(ValueError, match=r"^logprobs must be an integer from 0 to 20"):
-        row_params(row(COMPLETION, logprobs=value), OPTS)
+    read = row(COMPLETION, logprobs=value)
+    if isinstance(value, int):  # a value out of range: the sampling options' error
+        with pytest.raises(ValueError, match=r"^logprobs must be an integer from 0 to 20"):
+            row_params(read, OPTS)
+    else:  # not a whole number, nor true/false: the endpoint's 422 as the line is read
+        assert (read.code, read.param) == ("invalid_type", "logprobs"), read
 
 
 def test_the_fields_are_not_counted_as_unknown():

@@ -87,6 +87,45 @@ def test_bad_structured_flags_stop_before_any_work(tmp_path, capsys, monkeypatch
 
 
 @pytest.mark.slow
+def test_a_label_longer_than_max_tokens_is_a_bad_option_not_a_failed_row_each(tmp_path, capsys):
+    """Every row failed alone with the same error (exit 1), and the journal it left refused the
+    same command with --max-tokens raised (the options differed: --restart was needed). It is
+    now one error before any row is journaled, and the fixed command runs."""
+    long_label = "x" * 400
+    inp, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    inp.write_text('{"prompt": "first"}\n{"prompt": "second", "max_tokens": 300}\n')
+    args = ["run", str(inp), "-o", str(out), "--no-progress", "--choices", f"{long_label},b"]
+    assert main(args + ["--max-tokens", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "--choices: the label 'xxxx" in err and "more than --max-tokens (8): raise --max-tokens to at least" in err
+    assert "(400 characters)" in err and long_label not in err  # quoted cut short
+    assert not out.exists() and not (tmp_path / "o.jsonl.journal").exists()
+    assert main(args + ["--max-tokens", "300"]) == 0
+    assert len(parse_outputs(out)) == 2
+    # Every row sets its own max_tokens: the flag's default is no one's, and the rows run.
+    inp.write_text('{"prompt": "first", "max_tokens": 300}\n')
+    assert main(["run", str(inp), "-o", str(tmp_path / "own.jsonl"), "--no-progress", "--choices",
+                 f"{long_label},b", "--max-tokens", "8"]) == 0
+
+
+def test_a_label_longer_than_the_context_is_told_to_be_shorter():
+    """It was told to raise max_tokens to its length, which no max_tokens could hold."""
+    from batchprompt.api.structured import OutputSpec
+    from batchprompt.engine import SamplingParams
+
+    class Tok:
+        def encode(self, text, add_special_tokens=False):
+            return list(range(len(text.split())))
+
+    spec = OutputSpec.from_options(choices=["x " * 9000, "no"])
+    with pytest.raises(ValueError, match=r"more than the model's context holds beside a prompt \(8192 tokens\): "
+                                         r"shorten the label"):
+        spec.sampling_params(SamplingParams(max_tokens=256), Tok(), 8192)
+    with pytest.raises(ValueError, match=r"raise max_tokens to at least 9000"):
+        spec.sampling_params(SamplingParams(max_tokens=256), Tok(), 10000)
+
+
+@pytest.mark.slow
 def test_rows_are_answered_as_the_endpoint_answers_them(tmp_path):
     """A JSON schema cut by max_tokens is the partial text with finish_reason "length" (it was
     the row's error), and token ids outside the vocabulary are an invalid_request (they were a

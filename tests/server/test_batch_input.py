@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from batchprompt.jobs.rows import Row, RowError
+from batchprompt.jobs import openai_io
+from batchprompt.jobs.rows import Row, RowError, parse_line
 from batchprompt.server.batch_input import MAX_ERRORS, check_input
 from batchprompt.server.batch_store import Store, UnknownCursor
 from batchprompt.server.data_dir import DataDir, DataDirError
@@ -173,3 +174,29 @@ def test_a_data_dir_made_before_file_expiry_gets_its_columns(tmp_path):
     assert store.get_file("file-old")["expires_at"] is None
     assert store.expired_files(10**10) == []
     store.close()
+
+
+@pytest.mark.parametrize("extra", [
+    {"guided_choice": "spam"}, {"guided_choice": [1, 2]}, {"guided_regex": 5}, {"guided_json": 5},
+    {"n": 1.5}, {"max_tokens": "8"}, {"stop": 3}, {"temperature": "hot"},
+    {"n": 0}, {"max_tokens": 0}, {"temperature": -1}, {"messages": None}, {"messages": []},
+])
+def test_run_and_the_batch_api_answer_a_body_alike(extra):
+    """`batchprompt run` answered a field of the wrong type (guided_choice: "spam") with 400
+    invalid_parameter where the server's Batch API, reading the same line, answered 422
+    invalid_type: the README promises they accept and refuse the same things."""
+    from batchprompt.jobs.run import JobOptions, row_params
+
+    text = line("a", **extra)
+    served, ran = check(text).rows[0], parse_line(1, text)
+
+    def error(row):  # a value that only the sampling options refuse fails when the row is planned
+        if isinstance(row, RowError):
+            return openai_io.row_error_line(row)["response"]
+        try:
+            row_params(row, JobOptions("in", "out"))
+        except ValueError as e:
+            return str(e)
+        return None
+
+    assert error(served) == error(ran) and error(ran) is not None, (served, ran)

@@ -224,6 +224,21 @@ def test_structured_output_choices(server):
     assert [c.text in labels for c in out.choices] == [True, True]
 
 
+def test_a_streamed_answer_in_score_mode_carries_its_choice_probs(server):
+    """Its last chunk had none (the answer without streaming had them)."""
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Spam or ham: WIN a prize"}],
+            "guided_choice": ["spam", "ham"], "choice_mode": "score"}
+    with server.client() as c:
+        whole = c.post("/v1/chat/completions", json=body).json()["choices"][0]
+        with c.stream("POST", "/v1/chat/completions", json=dict(body, stream=True)) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert set(whole["choice_probs"]) == {"spam", "ham"}
+    last = [ch for chunk in chunks for ch in chunk["choices"] if ch["finish_reason"]]
+    assert len(last) == 1 and last[0]["choice_probs"] == pytest.approx(whole["choice_probs"], abs=1e-3), chunks
+    content = "".join(ch["delta"].get("content") or "" for chunk in chunks for ch in chunk["choices"])
+    assert content == whole["message"]["content"]
+
+
 def test_structured_output_json_schema(server):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                "age": {"type": "integer"}}, "required": ["name", "age"]}
@@ -261,6 +276,8 @@ def test_a_bad_value_names_its_field_in_param(server, field, value):
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "unsupported_parameter"),
     ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": "a"}, 422, "invalid_type"),
     ({"messages": [{"role": "user", "content": "hi"}], "guided_regex": "("}, 400, None),
+    ({"messages": [{"role": "user", "content": "hi"}], "guided_json": 5}, 422, "invalid_type"),  # was a 400
+    ({"messages": [{"role": "user", "content": "hi"}], "guided_choice": "spam"}, 422, "invalid_type"),
     ({"messages": [{"role": "user", "content": "hi"}], "choice_mode": "score"}, 400, "invalid_parameter"),  # ignored
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 422, "invalid_type"),
     ({"messages": "hi", "max_tokens": "8"}, 422, "invalid_type"),

@@ -1,0 +1,118 @@
+"""The request bodies of /v1/chat/completions and /v1/completions, and the check of their
+fields' types. One check serves the server's endpoints, a Batch API row's body and a `batchprompt
+run` line's body, so that all three refuse a field of the wrong type alike: 422 `invalid_type`,
+naming the field.
+
+The models are strict (no "1" for 1) and allow other fields: vLLM's extra parameters and
+OpenAI's fields we ignore pass through to the job reader, which knows them. Values are checked
+later, by the code that uses them (SamplingParams, the job reader, OutputSpec), with their
+messages (400)."""
+from __future__ import annotations
+
+import json
+from typing import Any, Type
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
+
+
+class StrictBody(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(StrictBody):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: the usage so far in every chunk
+
+
+class _OpenAIBody(StrictBody):
+    model: str | None = None  # vLLM lets it out; OpenAI's clients always send it
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_choice: list[str] | None = None
+    guided_regex: str | None = None
+    guided_json: dict[str, Any] | str | None = None  # a schema object, or its JSON text (as vLLM)
+    guided_grammar: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None  # JSON keys are text: token ids as strings
+    include_stop_str_in_output: bool | None = None
+    best_of: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+
+
+class ChatRequest(_OpenAIBody):
+    messages: list[Any]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+class CompletionRequest(_OpenAIBody):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: bool | int | None = None  # k top tokens; true/false as a Batch API row takes them
+    echo: bool | None = None
+
+
+#: The body each endpoint takes (a Batch API row's too).
+ENDPOINT_BODIES: dict[str, Type[BaseModel]] = {CHAT: ChatRequest, COMPLETION: CompletionRequest}
+
+
+def type_problem(url: str, body: dict[str, Any], missing: bool = True) -> tuple[str, str | None] | None:
+    """(message, param) of the 422 that the endpoint `url` answers `body` with for a field of
+    the wrong type, if any. `missing=False` leaves a missing prompt or messages out (`run`'s row
+    reader says more of it: a completion body takes no messages, ...)."""
+    try:
+        ENDPOINT_BODIES[url].model_validate(body)
+    except ValidationError as e:
+        wrong = [err for err in e.errors() if missing or err.get("type") != "missing"]
+        return wrong_types(wrong) if wrong else None
+    return None
+
+
+def wrong_types(errors) -> tuple[str, str | None]:
+    """(message, param) of the 422 naming the first field that is wrong (all of them in the
+    message), from pydantic's errors: what the endpoints answer a body of wrong types with, a
+    Batch API row and a `run` line too."""
+    errors = list(errors)
+    params = [".".join(str(p) for p in err.get("loc", ()) if p != "body" and not _type_tag(p)) for err in errors]
+    shown = "; ".join(f"{p or 'body'}: {err.get('msg')}{_given(err)}" for p, err in list(zip(params, errors))[:4])
+    if len(errors) > 4:
+        shown += f" (and {len(errors) - 4} more)"
+    return f"invalid request: {shown}", params[0] if params else None
+
+
+#: What pydantic puts in an error's location for the member of a union that failed ("stop.str"):
+#: not a field of the body.
+TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "bytes", "tuple", "set"}
+
+
+def _type_tag(part) -> bool:
+    return isinstance(part, str) and (part in TYPE_TAGS or "[" in part
+                                      or part.startswith(("function-", "constrained-")))
+
+
+def _given(err: dict) -> str:
+    """", got <the value>" for an error about a value the client sent (as JSON writes it: true,
+    null; cut short)."""
+    if err.get("type") == "missing" or "input" not in err:
+        return ""
+    try:
+        shown = json.dumps(err["input"], ensure_ascii=False)
+    except (TypeError, ValueError):
+        shown = repr(err["input"])
+    return f", got {shown if len(shown) <= 60 else shown[:57] + '...'}"
