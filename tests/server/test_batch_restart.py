@@ -36,13 +36,25 @@ def journaled(journal: Path) -> dict[int, str]:
         db.close()
 
 
+def _dirs(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """The --data-dir both servers share, and a working folder for each."""
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    first_dir.mkdir(), second_dir.mkdir()
+    return tmp_path / "data", first_dir, second_dir
+
+
+def _wait_journaled(journal: Path, count: int) -> None:
+    deadline = time.monotonic() + 300
+    while len(journaled(journal)) < count:
+        assert time.monotonic() < deadline, f"{count} requests were not journaled within 300s"
+        time.sleep(0.1)
+
+
 # Restarted under another --served-model-name, the same model resumes the batch (it stayed
 # in_progress, never run: the batch kept the name, not the model).
 @pytest.mark.parametrize("stop, served", [("kill -9", None), ("SIGTERM", "HuggingFaceTB/SmolLM2-135M-Instruct")])
 def test_a_batch_resumes_after_a_restart_and_runs_only_what_was_not_journaled(tmp_path, stop, served):
-    data = tmp_path / "data"
-    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
-    first_dir.mkdir(), second_dir.mkdir()
+    data, first_dir, second_dir = _dirs(tmp_path)
     srv = start_server(first_dir, "--data-dir", str(data))
     try:
         client = srv.openai()
@@ -51,10 +63,7 @@ def test_a_batch_resumes_after_a_restart_and_runs_only_what_was_not_journaled(tm
         f = upload(client, quick + [long_line(f"long{i}", LONG_TOKENS) for i in range(LONG)])
         batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
         journal = data / "batches" / f"{batch.id}.journal"
-        deadline = time.monotonic() + 300
-        while len(journaled(journal)) < QUICK:
-            assert time.monotonic() < deadline, "the quick requests were not journaled within 300s"
-            time.sleep(0.1)
+        _wait_journaled(journal, QUICK)
         assert strict_batch(client, batch.id).status == "in_progress"
     finally:
         if stop == "kill -9":
@@ -101,9 +110,7 @@ def test_the_requests_a_cancel_counts_as_finished_outlive_a_kill_9(tmp_path):
     just after it lost those, and the batch, cancelled, never ran them again (the error file
     said "cancelled before this request ran"). The cancel now commits before it answers. (The
     journal here commits only when asked, so the old code lost every one of them.)"""
-    data = tmp_path / "data"
-    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
-    first_dir.mkdir(), second_dir.mkdir()
+    data, first_dir, second_dir = _dirs(tmp_path)
     srv = start_server(first_dir, "--data-dir", str(data), module="tests.server.faulty_server",
                        env={"RARE_COMMITS": "1"})
     try:
@@ -137,9 +144,7 @@ def test_a_batch_that_no_longer_validates_on_resume_fails_with_the_rows_it_had_f
     ids of output and error files that were never written: files.content(output_file_id)
     answered 404. Its output file now holds the requests finished before the restart, and an
     error file with nothing in it is dropped (its id null), as at any end."""
-    data = tmp_path / "data"
-    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
-    first_dir.mkdir(), second_dir.mkdir()
+    data, first_dir, second_dir = _dirs(tmp_path)
     srv = start_server(first_dir, "--data-dir", str(data))
     try:
         client = srv.openai()
@@ -147,10 +152,7 @@ def test_a_batch_that_no_longer_validates_on_resume_fails_with_the_rows_it_had_f
         f = upload(client, quick + [long_line("long0", 3000)])
         batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
         journal = data / "batches" / f"{batch.id}.journal"
-        deadline = time.monotonic() + 300
-        while len(journaled(journal)) < 4:
-            assert time.monotonic() < deadline, "the quick requests were not journaled within 300s"
-            time.sleep(0.1)
+        _wait_journaled(journal, 4)
     finally:
         srv.proc.send_signal(signal.SIGKILL)
         srv.proc.wait(STOP_TIMEOUT_S)
