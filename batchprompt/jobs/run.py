@@ -79,6 +79,7 @@ class JobSummary:
     notes: list[str] = field(default_factory=list)  # what was read but not as written (Table.notes)
     rows_rerun: int = 0  # rows sent again after the replica running them was lost (Ray)
     not_run: int = 0  # rows that failed for want of a backend (not journaled: a resume runs them)
+    cut: int = 0  # ok rows of this run whose structured output max_tokens cut before it completed
 
     def __str__(self) -> str:
         # They ran again, or failed as not_run where no replica was left: each is in one file, once.
@@ -86,7 +87,11 @@ class JobSummary:
                   f"or errors file once)"] if self.rows_rerun else [])
         not_run = ([f"{self.not_run} of the failed rows did not run for want of a backend (see the errors file): "
                     f"they are not journaled; run the same command again to run them"] if self.not_run else [])
-        return "\n".join([self._headline(), *rerun, *not_run, *self.notes])
+        # Answers, as the endpoint gives them, yet not what was asked for: say so, and how to avoid it.
+        cut = ([f"{self.cut} of the ok rows were cut by max_tokens before their structured output was complete "
+                f"(finish_reason \"length\": the text does not match the constraint); raise --max-tokens, or "
+                f"the rows' max_tokens"] if self.cut else [])
+        return "\n".join([self._headline(), *rerun, *not_run, *cut, *self.notes])
 
     def _headline(self) -> str:
         if self.estimate_seconds is not None:
@@ -214,6 +219,7 @@ class Pending:
     row: Row
     n: int
     choices: list[Result | None]
+    constrained: bool = False  # the row asks for a structured output
 
 
 @dataclass
@@ -232,7 +238,7 @@ def _items(ready: list[Ready]) -> tuple[list[Prepared], list[list[tuple[Pending,
     owners: list[list[tuple[Pending, int]]] = []
     shared: dict[str, int] = {}
     for r in ready:
-        p = Pending(r.row, len(r.per_choice), [None] * len(r.per_choice))
+        p = Pending(r.row, len(r.per_choice), [None] * len(r.per_choice), r.spec is not None)
         for choice, cp in enumerate(r.per_choice):
             deterministic = cp.greedy or cp.seed is not None
             key = json.dumps([r.ids, asdict(cp), choice if not cp.greedy else 0]) if deterministic else None
@@ -666,6 +672,7 @@ class JobRun:
                                        a.completion_tokens)
                     summary.run_rows += 1
                     summary.run_completion_tokens += sum(c.usage.completion_tokens for c in p.choices)
+                    summary.cut += a.ok and p.constrained and any(c.finish_reason == "length" for c in p.choices)
                     if bar is not None:
                         bar.update(1)
                         rate = live.rate()
