@@ -61,11 +61,14 @@ class ModelRunner:
             rows = torch.cat([rows, inputs.score_index])
         if not len(rows):
             return out
-        logits = self.model.logits(hidden.index_select(0, rows), float32=False)
+        picked_hidden = hidden.index_select(0, rows)
+        logits = self.model.logits(picked_hidden, float32=False)
         n = len(inputs.sampling_chunks)
+        # A scored token's log-prob: its logit computed in float32, less the log of the sum over
+        # the vocabulary, from the logits as computed (it cancels between labels at one position).
         if inputs.score_index is not None:
-            lp = torch.log_softmax(logits[n:].float(), dim=-1)
-            picked = lp.gather(1, inputs.score_tokens.unsqueeze(1)).squeeze(1).tolist()
+            exact = self.model.token_logits(picked_hidden[n:], inputs.score_tokens)
+            picked = (exact - torch.logsumexp(logits[n:].float(), dim=-1)).tolist()
             for (rid, pos), v in zip(inputs.score_owners, picked):
                 out.prompt_logprobs.setdefault(rid, []).append((pos, v))
         if not n:
@@ -73,9 +76,9 @@ class ModelRunner:
         chunks = inputs.sampling_chunks
         for i, c in enumerate(chunks):  # scoring requests: each candidate's first token
             if c.params.score_choices:
-                lp = torch.log_softmax(logits[i].float(), dim=-1)
-                first = torch.tensor([ids[0] for ids in c.params.score_choices], device=lp.device)
-                out.choice_logprobs[c.request_id] = lp.index_select(0, first).tolist()
+                first = torch.tensor([ids[0] for ids in c.params.score_choices], device=logits.device)
+                exact = self.model.token_logits(picked_hidden[i].expand(len(first), -1), first)
+                out.choice_logprobs[c.request_id] = (exact - torch.logsumexp(logits[i].float(), dim=-1)).tolist()
         tokens, logprobs = sample(logits[:n], chunks, self.ops)
         ids = [c.request_id for c in chunks]
         out.sampled = dict(zip(ids, tokens))

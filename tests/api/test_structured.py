@@ -93,6 +93,26 @@ def test_scored_probabilities_are_the_model_s_likelihoods(lm, engine32, messages
     assert r.choice_probs["spam"] == pytest.approx(math.exp(lls[0]) / z, rel=1e-3)
 
 
+def test_scored_probabilities_in_bfloat16_are_not_rounded_to_a_few_values(messages):
+    """In bfloat16 the output head rounds a logit of 10-20 to a multiple of 1/16: two one-token
+    labels' log-odds fell on that grid (0.375, -1.0, 0.625 ... for 20 messages), so distinct
+    messages tied and probabilities moved in steps of several points. A scored label's logit is
+    now computed in float32 (the sum over the vocabulary cancels between labels)."""
+    from batchprompt import LLMEngine
+
+    engine = LLMEngine.from_pretrained(dtype="bfloat16", max_num_batched_tokens=1024)
+    session = bp.LanguageModel.create(system="Is this message spam? Answer yes or no.", model=engine)
+    try:
+        tok = engine.tokenizer
+        assert [len(tok.encode(c, add_special_tokens=False)) for c in ("yes", "no")] == [1, 1]
+        results = session.batch_prompt(messages[:20], choices=["yes", "no"], choice_mode="score")
+    finally:
+        session.destroy()
+    odds = [math.log(r.choice_probs["yes"] / r.choice_probs["no"]) for r in results]
+    on_grid = [x for x in odds if abs(x * 1024 - round(x * 1024)) < 1e-3]
+    assert len(on_grid) <= 1, odds  # a value met by chance: 0.2% a message
+
+
 def test_json_schema_outputs_validate(lm, messages):
     results = lm.batch_prompt([m + "\nDescribe this message in JSON." for m in messages[:12]],
                               json_schema=SCHEMA, max_tokens=80)
