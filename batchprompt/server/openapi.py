@@ -14,7 +14,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from .schemas import BatchCreate, BatchRequest, ChatRequest, CompletionRequest
+from ..jobs.bodies import ChatRequest, CompletionRequest
+from .schemas import BatchCreate, BatchRequest
 
 _REF = "#/components/schemas/{model}"
 

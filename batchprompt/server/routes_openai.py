@@ -11,10 +11,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from ..api.batch import Batch
+from ..jobs.bodies import ChatRequest, CompletionRequest
 from . import responses, waiting
 from .errors import ApiError
 from .requests import plan_chat, plan_completion
-from .schemas import ChatRequest, CompletionRequest, read_json
+from .schemas import read_json
 from .state import ServerState
 
 router = APIRouter()

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import ClientDisconnect
 
-from ..jobs.bodies import ChatRequest, CompletionRequest, StrictBody  # noqa: F401  (the routes' bodies)
+from ..jobs.bodies import StrictBody
 from ..jobs.rows import json_loads, json_type
 from .errors import ApiError
 
