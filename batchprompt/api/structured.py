@@ -95,8 +95,8 @@ class OutputSpec:
         special = _special_ids(tokenizer)
         for label, label_ids in zip(self.labels, ids):
             if special.intersection(label_ids):  # decoding it ends the answer (or reads as nothing)
-                raise ValueError(f"choices: the label {_shown(label)} holds a special token of the model, which decoding "
-                                 f"does not write as text: use choice_mode='score', or a label without it")
+                raise ValueError(f"choices: the label {_shown(label)} holds a special token of the model, which "
+                                 f"decoding does not write as text: use choice_mode='score', or a label without it")
         if sum(map(len, ids)) + len(ids) > MAX_TOKEN_SYMBOLS:
             # Too many for a trie of token ids (the grammar engine's symbols run out at about 12,000
             # labels): each label as text, one lexeme, still exactly one label. The model may spell

@@ -136,7 +136,8 @@ def chat(body_extra=None, **line):
     # A value of the wrong type: the endpoint's 422, as the server answers the same body
     ({"n": 1.5}, "invalid_type", r"n: Input should be a valid integer, got 1.5"),
     ({"n": True}, "invalid_type", r"n: Input should be a valid integer, got true"),
-    ({"max_completion_tokens": "5"}, "invalid_type", r'max_completion_tokens: Input should be a valid integer, got "5"'),
+    ({"max_completion_tokens": "5"}, "invalid_type",
+     r'max_completion_tokens: Input should be a valid integer, got "5"'),
 ])
 def test_bad_counts_are_row_errors_not_defaults(body, code, match):
     rows = read_jsonl(lines({"prompt": "fine"}, chat(body)))

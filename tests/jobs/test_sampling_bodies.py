@@ -64,7 +64,8 @@ def test_bad_sampling_fields_fail_the_row(body, match):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"stop": 5}, "stop"), ({"stop": True}, "stop"), ({"stop": {"a": 1}}, "stop"), ({"logit_bias": [1, 2]}, "logit_bias"),
+    ({"stop": 5}, "stop"), ({"stop": True}, "stop"), ({"stop": {"a": 1}}, "stop"),
+    ({"logit_bias": [1, 2]}, "logit_bias"),
     ({"logprobs": "yes"}, "logprobs"), ({"include_stop_str_in_output": "no"}, "include_stop_str_in_output"),
 ])
 def test_a_field_of_the_wrong_type_fails_an_openai_line_as_the_endpoint_does(body, param):
