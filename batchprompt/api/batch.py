@@ -328,7 +328,11 @@ class Batch:
         with self._lock:
             end = self._finished_at or time.monotonic()
             elapsed = end - self._started_at if self._started_at else 0.0
-            return Progress(len(self._order), self.total, self._failed, self._tokens, elapsed, self._cancelled)
+            # With the tokens of the prompts still running: with every prompt in flight at once,
+            # those that finished are none until near the end (it read 0 tok/s for most of a run).
+            running = self._source.made if self._source is not None and not self._completed else 0
+            return Progress(len(self._order), self.total, self._failed, self._tokens + running, elapsed,
+                            self._cancelled)
 
     @property
     def results(self) -> list[Result | None]:

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 class Progress:
     """`done` counts every prompt answered: finished, failed or cancelled. `failed` counts
     those that ended with an error, `cancelled` those a cancel stopped (not failures, as in
-    `BatchFailed`)."""
+    `BatchFailed`). `completion_tokens` counts the tokens made so far, those of prompts still
+    running included where the backend can tell (the local engine, counted about every
+    second; a pool of endpoints or Ray replicas report a prompt's tokens as it finishes)."""
     done: int
     total: int
     failed: int

@@ -41,6 +41,7 @@ from .result import EngineStoppedError
 log = logging.getLogger("batchprompt")
 
 SHUT_DOWN = "the engine was shut down (bp.shutdown() or LanguageModel.close())"
+MADE_EVERY_S = 1.0  # how often the sources' tokens made so far are counted (Source.made)
 
 
 class EngineService:
@@ -61,6 +62,8 @@ class EngineService:
         self._commands: list[tuple[Callable[[], Any], Future]] = []
         self._in_engine: dict[str, tuple[Source, Item]] = {}
         self._streaming: dict[str, tuple[Item, int]] = {}  # items with on_tokens: tokens handed out
+        self._made: dict[str, int] = {}  # request id -> its tokens when Source.made was last counted
+        self._made_due = 0.0
         self._ids = itertools.count()
         self._rate = 0.0  # requests finished per second, smoothed
         self._sessions: set[str] = set()  # names of the sessions' pinned prefixes
@@ -345,6 +348,23 @@ class EngineService:
         self._rate = 0.9 * self._rate + 0.1 * (len(outputs) / dt)
         self._stream_tokens()
         self._deliver(outputs)
+        self._count_made()
+
+    def _count_made(self) -> None:
+        """Each source's Source.made, at most every MADE_EVERY_S (it looks at every request in
+        flight). A request that finishes takes its part off at once (_deliver), so that a batch's
+        progress never counts its tokens twice."""
+        now = time.monotonic()
+        if now < self._made_due:
+            return
+        self._made_due = now + MADE_EVERY_S
+        engine, made, totals = self.engine, {}, {}
+        for rid, (source, _) in self._in_engine.items():
+            made[rid] = k = engine.num_output_tokens(rid)
+            totals[source] = totals.get(source, 0) + k
+        for source, total in totals.items():
+            source.made = total
+        self._made = made
 
     def _between_layers(self) -> None:
         """The engine pauses a long step between its layers: take in what was submitted since,
@@ -381,6 +401,7 @@ class EngineService:
                 continue
             source, item = entry
             source.in_engine.pop(out.request_id, None)
+            source.made = max(source.made - self._made.pop(out.request_id, 0), 0)
             answer(item, out)
 
     def _end(self, failure: str | None) -> None:

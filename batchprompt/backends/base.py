@@ -61,6 +61,9 @@ class Source:
     in_engine: dict[str, Item] = field(default_factory=dict)
     cancelled: bool = False
     priority: int = INTERACTIVE
+    #: Tokens its items still in the engine have made so far (a batch's live progress), where
+    #: the backend can tell (the local engine, counted about every second); 0 elsewhere.
+    made: int = 0
 
 
 @runtime_checkable

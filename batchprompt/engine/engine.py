@@ -232,6 +232,11 @@ class LLMEngine:
             return None
         return list(req.output_token_ids)
 
+    def num_output_tokens(self, request_id: str) -> int:
+        """How many tokens a request in the engine has made so far (0 for an unknown id)."""
+        req = self._requests.get(request_id)
+        return 0 if req is None else len(req.output_token_ids)
+
     # ---- the loop --------------------------------------------------------------------------
     def step(self, pause: Callable[[], None] | None = None) -> list[RequestOutput]:
         """Run one step; returns the requests it finished.

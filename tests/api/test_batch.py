@@ -31,6 +31,26 @@ def test_on_result_in_completion_order_and_on_complete_once(lm, messages):
     assert "10/10 done" in str(p)
 
 
+def test_progress_counts_the_tokens_of_prompts_still_running(lm, messages, monkeypatch):
+    """With every prompt in flight at once, none finishes until near the end: progress read 0
+    tokens (0 tok/s) for most of the run. It counts the running prompts' tokens too."""
+    import batchprompt.api.service as service
+
+    monkeypatch.setattr(service, "MADE_EVERY_S", 0.0, raising=False)  # counted every step, not every second
+    batch = lm.create_batch(messages[:6], max_tokens=120, min_tokens=120).start()
+    seen = []
+    deadline = time.monotonic() + 300
+    while not batch.done and time.monotonic() < deadline:
+        p = batch.progress
+        seen.append((p.done, p.completion_tokens))
+        time.sleep(0.02)
+    results = batch.wait(timeout=300)
+    assert any(done == 0 and tokens > 0 for done, tokens in seen), seen[-5:]
+    assert all(a[1] <= b[1] for a, b in zip(seen, seen[1:])), seen  # never counted twice, then dropped
+    assert max(t for _, t in seen) <= 6 * 120
+    assert batch.progress.completion_tokens == sum(r.usage.completion_tokens for r in results) == 6 * 120
+
+
 def test_callbacks_added_after_the_results_are_called_for_them(lm, messages):
     """As concurrent.futures calls a callback added to a finished future: on_result for each
     result already in, on_complete with them all; a non-function is refused at once."""
