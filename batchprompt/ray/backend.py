@@ -197,7 +197,10 @@ class RayBackend:
             slots = [s for s in self._slots if s.state == "ready"]
         if had and not self._stopping:
             for s in slots:
-                s.handle.unpin.remote(name)
+                try:
+                    s.handle.unpin.remote(name)
+                except Exception:  # noqa: BLE001  (a replica gone, or Ray ending at exit: its pin went with it)
+                    log.debug("replica %s: could not release the session %s", s, name, exc_info=True)
 
     @property
     def open_sessions(self) -> int:

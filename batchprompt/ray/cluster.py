@@ -12,6 +12,7 @@ options while they run, so sessions and jobs on one cluster object share the rep
 from __future__ import annotations
 
 import dataclasses
+import signal
 import socket
 import threading
 from typing import Any
@@ -149,6 +150,7 @@ class RayCluster:
         if self.address is None:
             options.setdefault("include_dashboard", False)
         self._check_reachable()
+        handlers = _signal_handlers()
         try:
             ray.init(address=self.address, **options)
         except Exception as e:  # noqa: BLE001  (a wrong address, no cluster there, a version mismatch)
@@ -159,6 +161,8 @@ class RayCluster:
                 hint = "give --address auto for the cluster `ray start` runs on this machine, or the head's host:port"
             raise ClusterError(f"cannot connect to {where}: {type(e).__name__}: {str(e).strip()[:300]} "
                                f"({hint})") from e
+        finally:
+            _restore(handlers)
         self._started_ray = True
 
     def _check_reachable(self) -> None:
@@ -244,3 +248,23 @@ def driver_tokenizer(model: str | None, info):
         path = snapshot_download(model, allow_patterns=["*.json", "*.jinja", "tokenizer*"])
         source = ModelSource("hf_dir", Path(path), model)
     return Tokenizer.load(source, info.eos_token_ids)
+
+
+#: The signals whose handlers Ray's start replaces with its own (a C++ handler that prints a
+#: stack and dies: a SIGTERM to `run --ray` exited 15, or aborted, with no summary).
+KEPT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _signal_handlers() -> dict[int, object]:
+    """This process's Python handlers of KEPT_SIGNALS (none off the main thread, where they
+    cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.getsignal(sig) for sig in KEPT_SIGNALS}
+
+
+def _restore(handlers: dict[int, object]) -> None:
+    """Set each handler again: Python's own, which Ray's start replaced underneath it."""
+    for sig, handler in handlers.items():
+        if handler is not None:
+            signal.signal(sig, handler)

@@ -217,3 +217,25 @@ def test_ctrl_c_while_the_replicas_start_ends_the_backend(local_ray, caplog):
                              for t in threading.enumerate()), 30, "the backend's dispatcher to end")
     assert c.backends == []
     assert "gone for good" not in caplog.text
+
+
+EXIT_WITHOUT_CLOSE = """
+import sys
+import batchprompt as bp
+lm = bp.LanguageModel.create(system="Answer spam or ham.", max_tokens=4,
+                             cluster=bp.RayCluster(address=sys.argv[1], replicas=1, replica_cpus=0.5, threads=1))
+print(sum(r.ok for r in lm.batch_prompt(["hi", "free money"])), "answers")
+"""
+
+
+def test_a_script_that_ends_without_close_exits_cleanly(local_ray):
+    """The README's Ray example has no close(): at exit, the session let go of its prefix on
+    replicas Ray had already ended, and printed a traceback ("Failed to submit task to actor")."""
+    import os
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", EXIT_WITHOUT_CLOSE, local_ray], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip() == "2 answers" and "Traceback" not in p.stderr, (p.stdout, p.stderr[-3000:])

@@ -87,6 +87,24 @@ def test_killed_driver_resumes_and_matches_a_local_run(local_ray, job, reference
     assert errors.count("\n") == ref_errors == 1 and f'"sms-{BAD}"' in errors and "vocabulary" in errors
 
 
+def test_sigterm_stops_a_ray_job_as_it_stops_a_local_one(local_ray, job, tmp_path):
+    """Ray's own handler took SIGTERM over from batchprompt's once Ray started: the driver died
+    with exit 15 (or an abort) and Ray's C++ log, with no summary and no word on resuming."""
+    out = tmp_path / "out.jsonl"
+    p = batchprompt(job, "-o", str(out), "--ray", "--address", local_ray, "--replicas", "1", "--replica-cpus", "0.5")
+    try:
+        wait_for(lambda: journal_rows(str(out) + ".journal") >= 6 or p.poll() is not None, 600,
+                 "the Ray job to journal some rows")
+        assert p.poll() is None, p.communicate()[1]
+        p.send_signal(signal.SIGTERM)
+        err = stderr_of(p, 120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 143, err
+    assert "stopped by SIGTERM" in err and "Run the same command again to resume" in err, err
+
+
 BLOCK_RAY = """
 import importlib.abc, sys
 class NoRay(importlib.abc.MetaPathFinder):
