@@ -51,7 +51,7 @@ def _is_text(s: str) -> bool:
 def _invalid(row: Row) -> RowError:
     return RowError(row.line, row.custom_id, "invalid_custom_id",
                     f"line {row.line}: the id {json.dumps(row.custom_id)} is not valid Unicode text (it holds a "
-                    f"lone surrogate); use ids that are valid UTF-8", "custom_id")
+                    f"lone surrogate, or bytes that are not UTF-8); use ids that are valid UTF-8", "custom_id")
 
 
 def _lines(at: list[int]) -> str:

@@ -252,10 +252,27 @@ def read_jsonl(raw: bytes) -> list[Row | RowError]:
         if not line.strip():
             continue
         row = parse_line(n, line)
+        if not ok:
+            row = _id_as_written(row, chunk)
         if not ok and isinstance(row, Row):
             row = replace(row, warnings=row.warnings + (INVALID_UTF8,))
         rows.append(row)
     return rows
+
+
+def _id_as_written(row: Row | RowError, chunk: bytes) -> Row | RowError:
+    """The row with its id as the line's bytes have it, where those are not UTF-8: each bad
+    byte a lone surrogate (which ids.check_ids refuses as not text), not U+FFFD. With U+FFFD,
+    an id changed without a word, and two ids that differ in their bad bytes ("a\xff", "a\xfe")
+    refused the whole file as duplicates."""
+    if row.custom_id is None or "\ufffd" not in row.custom_id:
+        return row
+    try:
+        obj = json_loads(chunk.decode("utf-8", errors="surrogateescape"))
+    except ValueError:
+        return row
+    raw = obj.get("custom_id", obj.get("id")) if isinstance(obj, dict) else None
+    return replace(row, custom_id=raw) if isinstance(raw, str) and raw != row.custom_id else row
 
 
 class _NotJson(ValueError):

@@ -211,6 +211,24 @@ def test_invalid_utf8_is_replaced_and_counted(tmp_path):
     assert table.table.column("text").to_pylist() == ["hello", "caf\ufffd", "bye"]  # --format table writes it
 
 
+def test_an_id_with_bytes_that_are_not_utf8_fails_its_row_and_no_other():
+    """It became U+FFFD: the id in the output no longer matched the input's, and two ids that
+    differ only in their bad bytes refused the whole file as duplicates of "a\ufffd"."""
+    from batchprompt.jobs.ids import check_ids
+
+    def line(cid: bytes, content: str) -> bytes:
+        return (b'{"custom_id": "' + cid + b'", "url": "/v1/chat/completions", "body": {"messages": '
+                b'[{"role": "user", "content": "' + content.encode() + b'"}]}}')
+
+    raw = b"\n".join([line(b"a\xff", "one"), line(b"a\xfe", "two"), line(b"ok", "three"), line(rb"a\ufffd", "four")])
+    rows = check_ids(read_jsonl(raw), "in.jsonl")  # no duplicate
+    assert [(type(r).__name__, getattr(r, "code", None)) for r in rows] == [
+        ("RowError", "invalid_custom_id"), ("RowError", "invalid_custom_id"), ("Row", None), ("Row", None)]
+    assert rows[3].custom_id == "a\ufffd"  # a U+FFFD the file holds as text is an id like any other
+    written = openai_io.row_error_line(rows[0])
+    assert json.loads(json.dumps(written))["custom_id"] == "a\udcff" and "not valid Unicode text" in rows[0].message
+
+
 def test_unknown_body_fields_are_ignored_and_counted():
     rows = read_jsonl(lines(
         chat({"model": "gpt-4o", "foo": 1, "presence_penalty": 0.5}),
