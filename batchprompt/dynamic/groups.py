@@ -19,7 +19,7 @@ class _Group:
     asyncio callers on one loop submitted in the same turn of the loop (they share one group,
     so resolving a batch costs one loop callback per loop, not one per item)."""
 
-    __slots__ = ("results", "remaining", "lock", "loop", "waiters", "resolved", "next", "solo")
+    __slots__ = ("results", "remaining", "lock", "loop", "waiters", "resolved", "next", "solo", "waited")
 
     def __init__(self, n: int, loop: asyncio.AbstractEventLoop | None):
         self.results: list[Any] = [None] * n
@@ -29,6 +29,7 @@ class _Group:
         # Woken on its own, not in a chain: its caller waits with a timeout (and may leave), or
         # waits on several groups in turn (imap), oldest first, against the chains' newest first.
         self.solo = False
+        self.waited = False  # its wake-up is taken: by its caller, or by a helper in its place (leave)
         if loop is None:
             self.lock = new_lock()
             self.lock.acquire()
@@ -44,6 +45,7 @@ class _Group:
         except BaseException:
             self.leave()
             raise
+        self.waited = True
         if self.next is not None:
             self.next.lock.release()
             self.next = None  # a thread's group is reused for its next call (call_one)
@@ -51,6 +53,7 @@ class _Group:
     def leave(self) -> None:
         """The caller's wait was interrupted (KeyboardInterrupt in the main thread): a helper
         thread takes its wake-up and passes it on, so that the rest of its chain still wakes."""
+        self.waited = True
         threading.Thread(target=self.wait, name="dynamically-chain", daemon=True).start()
 
 

@@ -148,26 +148,35 @@ class BatchProcessor(RunQueue, Worker):
         # Taken out while in use, so that a nested call (a signal handler) makes its own.
         group = _spare.__dict__.pop("group", None) or _Group(1, None)
         now = time.monotonic()
-        with self._lock:  # the Condition's own lock: `with self._cond` adds two Python calls
-            if self.max_queue is not None:
-                self._wait_for_room(1)
-            if self._worker is None:  # first, so that a worker that cannot start leaves nothing queued
-                self._start_worker()
-            q = self._queues.get((0, 0, 0))
-            if q is None:
-                q = self._queue((0, 0, 0))
-            q.append(([item], group, 0, 1, None, now))
-            size = self._size = self._size + 1
-            if size == 1:
-                self._first_arrival = now
-                if self._idle:
+        queued = False
+        try:
+            with self._lock:  # the Condition's own lock: `with self._cond` adds two Python calls
+                if self.max_queue is not None:
+                    self._wait_for_room(1)
+                if self._worker is None:  # first, so that a worker that cannot start leaves nothing queued
+                    self._start_worker()
+                q = self._queues.get((0, 0, 0))
+                if q is None:
+                    q = self._queue((0, 0, 0))
+                q.append(([item], group, 0, 1, None, now))
+                queued = True
+                size = self._size = self._size + 1
+                if size == 1:
+                    self._first_arrival = now
+                    if self._idle:
+                        self._cond.notify()
+                elif size >= self.batch_size:
                     self._cond.notify()
-            elif size >= self.batch_size:
-                self._cond.notify()
-        group.wait()
+            group.wait()
+        except BaseException:
+            # Interrupted once queued, before its wait began (a signal between the two): its
+            # group may head a chain of wake-ups, which went no further than it.
+            if queued and not group.waited:
+                group.leave()
+            raise
         results = group.results
         r, results[0] = results[0], None
-        group.remaining = 1
+        group.remaining, group.waited = 1, False
         _spare.group = group  # not reached if the wait was interrupted: the group may still be queued
         return value(r)
 

@@ -200,6 +200,41 @@ def test_thread_callers_of_a_batch_are_woken_newest_first():
     assert returned.index(0) >= n // 4, returned
 
 
+def test_a_caller_interrupted_between_queueing_and_waiting_does_not_stall_its_chain(monkeypatch):
+    """A signal that lands after the item is queued and before the wait began (a window of a few
+    bytecodes) left the caller's wake-up untaken: the callers after it in its chain of wake-ups
+    waited for ever. Here the wait itself raises, as the signal would, before it blocks."""
+    from batchprompt.dynamic import groups
+
+    class Interrupted(Exception):
+        pass
+
+    rec = Recorder(hold_first=True)
+    f = bp.dynamically(batch_size=9, timeout_ms=60_000)(rec)
+    results = {}
+    others = [threading.Thread(target=lambda i=i: results.__setitem__(i, f(i))) for i in range(1, 9)]
+    for t in others:
+        t.start()
+    queued(f, 8)
+    real_wait = groups._Group.wait
+    main = threading.current_thread()
+
+    def wait(self):
+        if threading.current_thread() is main:
+            raise Interrupted
+        return real_wait(self)
+
+    monkeypatch.setattr(groups._Group, "wait", wait)
+    with pytest.raises(Interrupted):
+        f(0)
+    monkeypatch.setattr(groups._Group, "wait", real_wait)
+    rec.started.wait(LIMIT_S)
+    rec.release.set()
+    for t in others:
+        t.join(LIMIT_S)
+    assert results == {i: 10 * i for i in range(1, 9)}
+
+
 def test_an_interrupted_thread_caller_does_not_stall_the_others_in_its_batch():
     """Ctrl-C while the main thread waits (here a signal handler that raises): that call raises,
     and the callers that its thread would have woken in its chain still get their results."""
