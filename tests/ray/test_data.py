@@ -61,7 +61,9 @@ def test_a_parquet_pipeline_gets_result_and_error_columns(local_ray, table, tmp_
     lm.close()
     for i in range(N):
         if i == 7:
+            # The row's own error: it named the row's place in its block ("prompt 3 cannot ...").
             assert rows[i]["result"] is None and "role" in rows[i]["error"]
+            assert rows[i]["error"].startswith("the prompt cannot be rendered"), rows[i]["error"]
         else:
             assert rows[i]["error"] is None and rows[i]["result"] == expected[i].text
         assert [dict(m) for m in rows[i]["prompt"]] == prompts[i]  # the input columns pass through
