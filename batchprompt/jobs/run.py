@@ -483,6 +483,7 @@ class JobRun:
                 what = f"model {model_name}"
             self.say(f"{what} ready in {time.perf_counter() - t0:.1f}s; {len(todo)} rows to run")
             self._check_choices_option(todo, service)
+            self._check_system_option(todo, service)
         for r in table.rows:  # unreadable rows are answered now
             if isinstance(r, RowError) and r.line not in done:
                 journal.record(r.line, r.custom_id, False, openai_io.row_error_line(r, journal.job_id))
@@ -531,6 +532,23 @@ class JobRun:
                                  service.max_model_len)
         except ValueError as e:
             raise InputError(f"--{str(e).replace('max_tokens', '--max-tokens')}") from None
+
+    def _check_system_option(self, todo: list[Row], service: Backend) -> None:
+        """--system longer than the context is a bad option, refused before any row is journaled
+        where a chat row takes it (one without a system message of its own). Each such row failed
+        alone with "the messages have N tokens", which did not say that --system was the cause."""
+        system, limit = self.opts.system, service.max_model_len
+        if not system or not any(r.url == CHAT and (not r.messages or r.messages[0].get("role") != "system")
+                                 for r in todo):
+            return
+        try:
+            count = len(service.tokenizer.encode(system, add_special_tokens=False, limit=limit))
+            shown = f"{count:,}"
+        except TooManyTokens as e:
+            count, shown = e.at_least, f"at least {e.at_least:,}"
+        if count >= limit:
+            raise InputError(f"--system is {shown} tokens, more than the model's context of {limit:,} tokens holds "
+                             f"beside a prompt: shorten it (or raise --max-model-len, where the model allows)")
 
     def _outputs_match(self, journal: Journal, errors_path: str | None) -> bool:
         """The output (and errors) file are there, with a line per row the journal has for each
