@@ -159,8 +159,8 @@ def compiled_module(device: torch.device):
     kernels turned off, or no build possible). Each of those says so once in the log: a
     failed build as a warning, a GPU or BATCHPROMPT_KERNELS=0 (choices, not faults) as info."""
     if device.type != "cpu":
-        _say_once(f"device:{device.type}", "running on %s: the engine uses PyTorch's attention and layer "
-                  "ops there (the compiled kernels are for the CPU)", device.type)
+        _say_once(f"device:{device.type}", "running on %s: the engine uses PyTorch's kernels there "
+                  "(FlashAttention where it serves; the compiled kernels are for the CPU)", device.type)
         return None
     if not kernels_enabled():
         _say_once("disabled", "BATCHPROMPT_KERNELS=%s: the compiled CPU kernels are off; running PyTorch's "

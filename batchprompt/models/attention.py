@@ -6,7 +6,9 @@ matmuls never see padding. Only attention groups tokens by request: each group i
 `scaled_dot_product_attention` call serves the whole group. Decode rows (one query) form one
 group; prefill chunks form one or a few groups of similar length. On the CPU, decode rows go
 instead to a compiled kernel (batchprompt.kernels) that reads the cache through the block
-table directly.
+table directly. On CUDA, where FlashAttention serves (models/flash_attention.py), all of a
+step's tokens go instead to one variable-length call per layer (VarlenBatch): no padding, no
+mask, and nothing that makes the host wait on the GPU.
 """
 from __future__ import annotations
 
@@ -50,6 +52,21 @@ class DecodeBatch:
 
 
 @dataclass
+class VarlenBatch:
+    """Every token of the step in one variable-length attention call: the queries are the flat
+    tokens, request after request; each request's keys are gathered from the cache back to
+    back; the causal mask of a request is aligned to the end of its keys (its new tokens are
+    its last ones)."""
+
+    key_slots: torch.Tensor  # [K] cache slot of every key, request after request
+    cu_q: torch.Tensor  # [N + 1] int32: where each request's queries start in the flat tokens
+    cu_k: torch.Tensor  # [N + 1] int32: where each request's keys start in key_slots
+    max_q: int
+    max_k: int
+    op: Callable  # (q [T, H, D], k [K, Hkv, D], v, cu_q, cu_k, max_q, max_k, scale) -> [T, H, D]
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs for one step; built by the runner, read by every layer."""
 
@@ -57,6 +74,7 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
     num_tokens: int
     decode: DecodeBatch | None = None
+    varlen: VarlenBatch | None = None
 
 
 @dataclass
@@ -75,6 +93,12 @@ def paged_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,
     out = q.new_empty(rows or meta.num_tokens, num_heads * head_dim)
     if out.shape[0] > meta.num_tokens:
         out[meta.num_tokens:].zero_()
+    if (vb := meta.varlen) is not None:
+        keys, values = cache.k.index_select(0, vb.key_slots), cache.v.index_select(0, vb.key_slots)
+        o = vb.op(q[:meta.num_tokens].contiguous(), keys, values, vb.cu_q, vb.cu_k, vb.max_q, vb.max_k,
+                  head_dim ** -0.5)
+        out[:meta.num_tokens] = o.reshape(meta.num_tokens, -1)
+        return out
     if (d := meta.decode) is not None:
         out[d.start:d.stop] = d.op(q[d.start:d.stop], cache.k, cache.v, d.block_table, d.context_lens,
                                    d.block_size, head_dim ** -0.5).view(d.stop - d.start, -1)

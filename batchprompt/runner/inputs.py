@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from ..models.attention import AttentionGroup, AttentionMetadata, DecodeBatch
+from ..models.attention import AttentionGroup, AttentionMetadata, DecodeBatch, VarlenBatch
 from ..steps import ScheduledChunk
 
 # A group of padded attention rows may cost at most this much more than its real area.
@@ -27,11 +27,16 @@ class ModelInputs:
 
 
 def build_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.device,
-                 decode_op: Callable | None = None) -> ModelInputs:
+                 decode_op: Callable | None = None, varlen_op: Callable | None = None) -> ModelInputs:
     """`decode_op`: a compiled decode-attention kernel; when given, all one-token chunks are
-    laid out first and served by it as one DecodeBatch."""
+    laid out first and served by it as one DecodeBatch. `varlen_op`: a variable-length
+    attention kernel (CUDA); when given, it serves every chunk, laid out in their order, as one
+    VarlenBatch (and `decode_op` is not used)."""
+    if varlen_op is not None:
+        decode_op, plan = None, [list(range(len(chunks)))]
     decodes = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1] if decode_op is not None else []
-    plan = ([decodes] if decodes else []) + _plan_groups(chunks, skip=set(decodes))
+    if varlen_op is None:
+        plan = ([decodes] if decodes else []) + _plan_groups(chunks, skip=set(decodes))
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -45,9 +50,13 @@ def build_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.de
             positions.append(p)
             slots.append(c.block_ids[p // block_size] * block_size + p % block_size)
     sampling = [(i, c) for i, c in enumerate(chunks) if c.sample]
-    groups = [_group(chunks, offsets, members, block_size, device) for members in plan[1 if decodes else 0:]]
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-    meta = AttentionMetadata(as_long(slots), groups, len(ids))
+    if varlen_op is not None:
+        meta = AttentionMetadata(as_long(slots), [], len(ids), varlen=_varlen_batch(chunks, block_size, varlen_op,
+                                                                                     device))
+    else:
+        groups = [_group(chunks, offsets, members, block_size, device) for members in plan[1 if decodes else 0:]]
+        meta = AttentionMetadata(as_long(slots), groups, len(ids))
     if decodes:
         meta.decode = _decode_batch([chunks[i] for i in decodes], block_size, decode_op, as_long)
     inputs = ModelInputs(
@@ -71,6 +80,20 @@ def _decode_batch(sel: list[ScheduledChunk], block_size: int, op: Callable, as_l
     width = -(-max(lens) // block_size)
     table = [c.block_ids[:width] + [0] * (width - min(len(c.block_ids), width)) for c in sel]
     return DecodeBatch(0, len(sel), as_long(table), as_long(lens), block_size, op)
+
+
+def _varlen_batch(chunks: list[ScheduledChunk], block_size: int, op: Callable, device) -> VarlenBatch:
+    """Every chunk's keys (positions 0 .. context_len - 1) as cache slots, back to back; built on
+    the CPU and moved in one copy each, so that nothing waits on the GPU."""
+    q_lens = [len(c.token_ids) for c in chunks]
+    k_lens = [c.context_len for c in chunks]
+    max_k = max(k_lens)
+    width = -(-max_k // block_size)
+    table = torch.tensor([c.block_ids[:width] + [0] * (width - min(len(c.block_ids), width)) for c in chunks])
+    slots = (table.unsqueeze(-1) * block_size + torch.arange(block_size)).view(len(chunks), -1)[:, :max_k]
+    key_slots = slots[torch.arange(max_k) < torch.tensor(k_lens).unsqueeze(1)]
+    cum = lambda xs: torch.tensor([0] + xs, dtype=torch.int32).cumsum(0, dtype=torch.int32)  # noqa: E731
+    return VarlenBatch(key_slots.to(device), cum(q_lens).to(device), cum(k_lens).to(device), max(q_lens), max_k, op)
 
 
 def _plan_groups(chunks: list[ScheduledChunk], skip: set[int] = frozenset()) -> list[list[int]]:

@@ -212,6 +212,32 @@ def test_decode_kernel_gives_the_pytorch_attention_results(tiny_model):
         assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
 
 
+def test_one_variable_length_call_per_layer_gives_the_padded_groups_results(tiny_model):
+    """The CUDA layout (every chunk's keys gathered back to back, one varlen call per layer) with
+    the kernel's reference semantics in its place: the same tokens and log-probs as the padded
+    SDPA groups, through chunked prefill, a shared prefix found in the cache, and decode rows."""
+    from batchprompt.models.flash_attention import varlen_reference
+
+    ps = prompts(12)
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=True)
+    plain = engine(tiny_model, max_num_batched_tokens=48, max_num_seqs=6)
+    plain.runner.decode_op, plain.runner.ops = None, TorchOps()
+    varlen = engine(tiny_model, max_num_batched_tokens=48, max_num_seqs=6)
+    calls = []
+
+    def counted(*args):
+        calls.append(args[3].numel() - 1)  # requests in the call
+        return varlen_reference(*args)
+
+    varlen.runner.decode_op, varlen.runner.ops, varlen.runner.varlen_op = None, TorchOps(), counted
+    a, b = varlen.generate(ps, sp), plain.generate(ps, sp)
+    assert [o.output_token_ids for o in a] == [o.output_token_ids for o in b]
+    for x, y in zip(a, b):
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+    assert calls and max(calls) > 1  # steps with several requests in one call
+    assert varlen.stats.prefix_cache_hit_rate > 0.1
+
+
 def test_a_request_that_outgrows_the_kv_budget_fails_saying_what_to_do(tiny_model):
     """Its prompt fits, so it starts; alone and still growing, it preempts itself: it fails
     with what to change, and the request after it runs."""
