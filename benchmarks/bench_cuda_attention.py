@@ -2,7 +2,7 @@
 step) against the padded SDPA groups that serve other devices, in one run on the same engine.
 
 Spam classification (one shared system prompt, greedy, 8 tokens) over `--rows` SMS, each form
-warmed first; then, with `--max-batched-tokens`, the varlen form with a larger step budget.
+warmed first; then, with `--max-batched-tokens`, the varlen form with another step budget.
 Prints a markdown table (prompts/s, accuracy, greedy agreement between the forms) and, with
 `--profile`, the top CUDA kernels and CPU operations of one varlen run; writes
 benchmarks/results/cuda_attention.json. Needs a CUDA GPU.
@@ -33,8 +33,8 @@ def timed(engine: LLMEngine, prompts, sp) -> tuple[float, list]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rows", type=int, default=2000, help="SMS rows (default 2,000)")
-    ap.add_argument("--max-batched-tokens", type=int, default=8192,
-                    help="the larger step budget tried with the varlen form (default 8,192; 0: skip)")
+    ap.add_argument("--max-batched-tokens", type=int, default=2048,
+                    help="another step budget tried with the varlen form (default 2,048, the CPU's; 0: skip)")
     ap.add_argument("--profile", type=int, default=0, help="profile one varlen run over this many rows")
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -54,7 +54,7 @@ class LLMEngine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer | None, config: EngineConfig | None = None):
         """`runner` runs the model and holds the KV cache (its `block_size` and `max_blocks`
         size the block pool); `from_model` and `from_pretrained` build one from `config`."""
-        self.config = config = config or EngineConfig()
+        self.config = config = (config or EngineConfig()).for_device(runner.device.type)
         if runner.block_size != config.block_size:
             raise ValueError(f"the runner's KV blocks hold {runner.block_size} tokens, but "
                              f"block_size is {config.block_size}: build both from the same config")

@@ -1,6 +1,7 @@
 """Turn a SchedulerOutput into model inputs: flat token ids, positions, slots, attention groups."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -83,17 +84,22 @@ def _decode_batch(sel: list[ScheduledChunk], block_size: int, op: Callable, as_l
 
 
 def _varlen_batch(chunks: list[ScheduledChunk], block_size: int, op: Callable, device) -> VarlenBatch:
-    """Every chunk's keys (positions 0 .. context_len - 1) as cache slots, back to back; built on
-    the CPU and moved in one copy each, so that nothing waits on the GPU."""
+    """Every chunk's keys (positions 0 .. context_len - 1) as cache slots, back to back. Made
+    on the device from each chunk's block table, with nothing that waits on it (a boolean index
+    or a repeat without its size would)."""
     q_lens = [len(c.token_ids) for c in chunks]
     k_lens = [c.context_len for c in chunks]
-    max_k = max(k_lens)
+    max_k, total = max(k_lens), sum(k_lens)
     width = -(-max_k // block_size)
-    table = torch.tensor([c.block_ids[:width] + [0] * (width - min(len(c.block_ids), width)) for c in chunks])
-    slots = (table.unsqueeze(-1) * block_size + torch.arange(block_size)).view(len(chunks), -1)[:, :max_k]
-    key_slots = slots[torch.arange(max_k) < torch.tensor(k_lens).unsqueeze(1)]
-    cum = lambda xs: torch.tensor([0] + xs, dtype=torch.int32).cumsum(0, dtype=torch.int32)  # noqa: E731
-    return VarlenBatch(key_slots.to(device), cum(q_lens).to(device), cum(k_lens).to(device), max(q_lens), max_k, op)
+    table = torch.tensor([c.block_ids[:width] + [0] * (width - min(len(c.block_ids), width)) for c in chunks],
+                         dtype=torch.long, device=device)
+    cu_q, cu_k = [0, *itertools.accumulate(q_lens)], [0, *itertools.accumulate(k_lens)]
+    row = torch.repeat_interleave(torch.arange(len(chunks), device=device),
+                                  torch.tensor(k_lens, device=device), output_size=total)
+    pos = torch.arange(total, device=device) - torch.tensor(cu_k[:-1], device=device)[row]
+    key_slots = table[row, pos // block_size] * block_size + pos % block_size
+    as_int = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+    return VarlenBatch(key_slots, as_int(cu_q), as_int(cu_k), max(q_lens), max_k, op)
 
 
 def _plan_groups(chunks: list[ScheduledChunk], skip: set[int] = frozenset()) -> list[list[int]]:
