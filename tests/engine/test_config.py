@@ -28,3 +28,12 @@ def test_bad_engine_options_name_the_option_and_value(options, error, words):
     with pytest.raises(error) as e:
         EngineConfig.from_options(options)
     assert words in str(e.value)
+
+
+def test_the_step_budget_defaults_by_device_and_a_given_one_is_kept():
+    """None means the device's default: 2,048 tokens a step on the CPU, 8,192 on CUDA (vLLM's
+    offline default); a value given is kept on every device."""
+    assert EngineConfig().max_num_batched_tokens is None
+    assert EngineConfig().for_device("cpu").max_num_batched_tokens == 2048
+    assert EngineConfig().for_device("cuda").max_num_batched_tokens == 8192
+    assert EngineConfig(max_num_batched_tokens=512).for_device("cuda").max_num_batched_tokens == 512
