@@ -218,7 +218,7 @@ class Batch:
             self._service.dispatch(fn, results)
         self._done.set()
         if through_callbacks:  # queued behind this batch's callbacks: runs after them
-            self._service.dispatch(self._finish)
+            self._service.dispatch(self._finish, internal=True)
         else:
             self._finish()
 

@@ -26,16 +26,28 @@ class CallbackThread:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
+        self._dropping = False
+        self.dropped = 0  # user callbacks not run since drop_new()
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
-    def dispatch(self, fn: Callable, *args) -> None:
-        """Run `fn(*args)` on the thread, after everything dispatched before it."""
+    def dispatch(self, fn: Callable, *args, internal: bool = False) -> None:
+        """Run `fn(*args)` on the thread, after everything dispatched before it (a user callback
+        after drop_new(): counted, not run; `internal`: ours, always run)."""
         with self._lock:
+            if self._dropping and not internal:
+                self.dropped += 1
+                return
             if not self._closed:
                 self._queue.put((fn, args))
                 return
         _run(fn, args)
+
+    def drop_new(self) -> None:
+        """From now on, user callbacks are not run (at interpreter exit: the cancelled results
+        of the prompts the exit cut short; those dispatched before still run)."""
+        with self._lock:
+            self._dropping = True
 
     def close(self) -> None:
         """End the thread once it has run what was dispatched before this call."""

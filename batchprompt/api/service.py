@@ -68,6 +68,7 @@ class EngineService:
         self._rate = 0.0  # requests finished per second, smoothed
         self._sessions: set[str] = set()  # names of the sessions' pinned prefixes
         self._stopping = False
+        self._cut_short = 0  # prompts answered 'cancelled' by _end
         self._arrived = False  # a source was submitted since the engine thread last fed
         self.stop_reason: str | None = None  # why the service stopped, once it has
         self._callbacks = CallbackThread(f"batchprompt-callbacks-{name}")
@@ -181,10 +182,10 @@ class EngineService:
                 self.engine.abort(rid)
         return self.call(run)
 
-    def dispatch(self, fn: Callable, *args) -> None:
+    def dispatch(self, fn: Callable, *args, internal: bool = False) -> None:
         """Run a user callback on the callback thread, in the order dispatched (once the service
-        has stopped, at once on this thread)."""
-        self._callbacks.dispatch(fn, *args)
+        has stopped, at once on this thread). `internal`: ours, run even at exit."""
+        self._callbacks.dispatch(fn, *args, internal=internal)
 
     def add_session(self, name: str) -> None:
         with self._cond:
@@ -201,16 +202,28 @@ class EngineService:
         return len(self._sessions)
 
     @property
+    def callbacks_dropped(self) -> int:
+        return self._callbacks.dropped
+
+    @property
+    def cancelled_at_stop(self) -> int:
+        """Prompts that the stop cut short (answered 'cancelled' when the loop ended)."""
+        return self._cut_short
+
+    @property
     def in_flight(self) -> int:
         return len(self._in_engine)
 
-    def shutdown(self, timeout: float | None = None) -> bool:
+    def shutdown(self, timeout: float | None = None, at_exit: bool = False) -> bool:
         """Stop both threads, answer every waiting item ('cancelled': the engine was shut down),
         leave the registry and drop the engine, so its weights and KV cache can be freed (unless
         the caller holds the engine). Returns once the threads have ended (True), except for the
         one it is called on, or after `timeout` seconds (False: the engine thread is still in a
-        step; it ends after it)."""
+        step; it ends after it). `at_exit`: the user callbacks of the results cut short are not
+        run (counted in `callbacks_dropped`); those of results that came before still run."""
         _unregister(self)
+        if at_exit:
+            self._callbacks.drop_new()
         with self._cond:
             if not self._stopping:
                 self._stopping, self.stop_reason = True, SHUT_DOWN
@@ -425,11 +438,13 @@ class EngineService:
             source.in_engine.pop(item.request_id, None)
             self._discard(item.request_id)
             answer(item, stopped_output(item, self.stop_reason, self.stop_reason == SHUT_DOWN))
+            self._cut_short += 1
         for source in sources:
             source.cancelled = True
             while source.items:
                 item = source.items.popleft()
                 answer(item, stopped_output(item, self.stop_reason, self.stop_reason == SHUT_DOWN, ""))
+                self._cut_short += 1
         for name in sessions:  # matters where the caller owns the engine and goes on using it
             try:
                 engine.unpin(name)
@@ -469,9 +484,10 @@ def _stop_at_exit() -> None:
     PyTorch's C++ while the exit destroys its globals, and the process aborted ("terminate
     called without an active exception", exit status 134). Unfinished work is cancelled."""
     deadline = time.monotonic() + EXIT_WAIT_S
-    for service in list(_alive):
+    services = list(_alive)
+    for service in services:
         try:
-            service.shutdown(max(deadline - time.monotonic(), 0))
+            service.shutdown(max(deadline - time.monotonic(), 0), at_exit=True)
         except KeyboardInterrupt:
             # A second Ctrl-C while an engine leaves its step: the user wants out now. _exit
             # skips what the wait was for (the C++ globals' destructors), as it does this
@@ -481,6 +497,13 @@ def _stop_at_exit() -> None:
             os._exit(130)
         except Exception:  # noqa: BLE001 - exiting: the others must still be stopped
             log.exception("stopping an engine at exit failed")
+    cut = sum(s.cancelled_at_stop for s in services)
+    if cut:
+        dropped = sum(s.callbacks_dropped for s in services)
+        log.warning("the script ended with %d prompt%s unfinished: cancelled%s. Call wait() on a batch (or "
+                    "iterate it) before the script ends to keep its results", cut, "" if cut == 1 else "s",
+                    f", and the {dropped} callback{'' if dropped == 1 else 's'} of their results not run"
+                    if dropped else "")
 
 
 atexit.register(_stop_at_exit)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import re
 import threading
 import time
 import weakref
@@ -166,13 +167,47 @@ def test_a_script_that_ends_while_its_batch_runs_exits_cleanly(tmp_path):
     assert "terminate called" not in proc.stderr
 
 
+def test_a_script_that_ends_while_its_batch_runs_says_so_and_runs_no_callback_of_the_cut_results(tmp_path):
+    """The exit spent its 10 s on the cancelled results' callbacks (a slow on_result ran for 10
+    of 16 of them, each told 'cancelled'), dropped the rest and on_complete without a word,
+    and nothing said why the prompts had no answers."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "ends_early_with_callbacks.py"
+    script.write_text(
+        "import sys, time\n"
+        "import batchprompt as bp\n"
+        "lm = bp.LanguageModel.create(max_tokens=200, engine_options={'kv_cache_memory': 64 << 20, "
+        "'max_model_len': 1024})\n"
+        "seen = []\n"
+        "def slow(index, result):\n"
+        "    print('callback', result.finish_reason, flush=True)\n"
+        "    time.sleep(2)\n"
+        "batch = lm.create_batch(['Write a long story about a cat'] * 8, min_tokens=200)\n"
+        "batch.on_result(slow).on_complete(lambda results: print('complete', flush=True))\n"
+        "batch.on_tokens(lambda index, ids: seen.append(len(ids))).start()\n"
+        "deadline = time.monotonic() + 60\n"
+        "while not seen and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "print('leaving', bool(seen), flush=True)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0 and "leaving True" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
+    assert "callback" not in proc.stdout and "complete" not in proc.stdout.replace("leaving", ""), proc.stdout
+    # 8 on_result, 1 on_complete, and the on_tokens calls of the last tokens
+    assert re.search(r"the script ended with 8 prompts unfinished: cancelled, and the \d+ callbacks of their "
+                     r"results not run\. Call wait\(\) on a batch", proc.stderr), proc.stderr[-2000:]
+
+
 def test_a_ctrl_c_while_the_engines_stop_at_exit_ends_the_process_at_once(monkeypatch):
     """A second Ctrl-C while the exit waited for an engine thread to leave its step printed
     "Exception ignored in atexit callback ... KeyboardInterrupt" with its traceback."""
     from batchprompt.api import service as service_module
 
     class Stopping:
-        def shutdown(self, timeout=None):
+        cancelled_at_stop = callbacks_dropped = 0
+
+        def shutdown(self, timeout=None, at_exit=False):
             raise KeyboardInterrupt  # as the signal lands in the wait for the engine thread
 
     exits = []
