@@ -129,7 +129,8 @@ class LanguageModel:
             except TooManyTokens as e:  # by its length alone: refused without tokenizing megabytes
                 out.append(Prepared(i, None, params, prompt_too_long(f"at least {e.at_least}", e.limit)))
             except (TypeError, ValueError, KeyError) as e:
-                out.append(Prepared(i, None, params, f"prompt {i} cannot be rendered: {e}"))
+                # Its place is the result's index; "prompt 0 cannot ..." read oddly from prompt().
+                out.append(Prepared(i, None, params, f"the prompt cannot be rendered: {e}"))
         return out
 
     def _messages(self, prompt: Prompt) -> list[Message]:

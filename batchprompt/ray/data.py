@@ -66,15 +66,7 @@ class PromptStage:
     def _run(self, prompts: list) -> tuple[list, list]:
         results = self.lm.batch_prompt(prompts)
         return ([r.text if r.error is None else None for r in results],
-                [_own(r.error, r.index) for r in results])
-
-
-def _own(error: str | None, index: int) -> str | None:
-    """A row's error as its own column says it: "prompt 5 cannot be rendered" named the row's
-    place in the block Ray handed over, not a row of the dataset."""
-    if error is None:
-        return None
-    return "the prompt" + error[len(f"prompt {index}"):] if error.startswith(f"prompt {index} ") else error
+                [r.error for r in results])
 
 
 def _plain(value):

@@ -251,3 +251,14 @@ def test_a_wait_without_limit_or_with_a_bad_timeout_keeps_the_batch(lm, messages
     for no_limit in (float("inf"), 1e12):
         results = batch.wait(timeout=no_limit)
         assert all(r.ok for r in results), results
+
+
+def test_a_prompt_that_cannot_be_rendered_is_the_prompt_not_prompt_0(lm):
+    """prompt(None) said "prompt 0 cannot be rendered" for the one prompt it was given; in a
+    batch, the result's index says which."""
+    with pytest.raises(ValueError, match=r"^the prompt cannot be rendered: ") as e:
+        lm.prompt(None)
+    assert "prompt 0" not in str(e.value)
+    results = lm.batch_prompt(["fine", None])
+    assert results[0].ok and results[1].index == 1
+    assert results[1].error.startswith("the prompt cannot be rendered: ")
