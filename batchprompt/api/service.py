@@ -532,7 +532,8 @@ def get_service(model: str | LLMEngine | None = None, *, device: str = "auto", d
                 name = source.name
             service = _services[key] = EngineService(engine, name=f"{name}-{next(_service_ids)}")
             service.engine_options = dict(engine_options or {})
-        elif engine_options and EngineConfig.from_options(engine_options) != service.engine.config:
+        elif engine_options and (EngineConfig.from_options(engine_options)
+                                 .for_device(service.engine.runner.device.type) != service.engine.config):
             # Compared as configs: an option given at its default is no change.
             raise EngineOptionsConflict(
                 f"this process's engine for {model if model is not None else 'the embedded model'} already runs with "

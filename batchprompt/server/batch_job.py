@@ -251,7 +251,9 @@ class BatchJob:
     async def _collect(self, batch: Batch, plan: Plan, journal: Journal, token_text) -> None:
         """Journal each request as its last choice comes in. A choice that comes back cancelled
         (a cancel, an expiry, the server stopping) did not run: its request is not journaled."""
-        created, model = openai_io.now(), self.api.state.model_id
+        # The name the batch was made under, also where a restart serves the model by another
+        # (--served-model-name): one batch's answers name one model, as the batch does.
+        created, model = openai_io.now(), self.batch.get("model") or self.api.state.model_id
         async for index, result in batch:
             if result.finish_reason == "cancelled":
                 continue

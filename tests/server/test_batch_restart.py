@@ -93,6 +93,9 @@ def test_a_batch_resumes_after_a_restart_and_runs_only_what_was_not_journaled(tm
         out = lines_of(client, done.output_file_id)
         assert [x["custom_id"] for x in out] == [f"q{i:02d}" for i in range(QUICK)] + [f"long{i}" for i in range(LONG)]
         assert all(len(x["response"]["body"]["choices"][0]["text"]) == LONG_TOKENS for x in out[QUICK:])
+        # Every answer names the model as the batch does (resumed under another name, the rows
+        # run after the restart named the new one: one output file, two names).
+        assert {x["response"]["body"]["model"] for x in out} == {done.model} == {"smollm2-135m"}
         after = journaled(journal)
         assert {line: after[line] for line in before} == before  # journaled rows were kept, not redone
         assert done.error_file_id is None  # no request failed
