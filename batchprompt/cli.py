@@ -219,7 +219,11 @@ def _ray_cluster(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args, unknown = ap.parse_known_args(argv)
+    if unknown:  # the command's own usage, not the top level's ("usage: batchprompt [-h] ... {run,serve}")
+        commands = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.WARNING, format="batchprompt: %(levelname)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.command == "serve":

@@ -114,7 +114,8 @@ class Journal:
         if not isinstance(before, dict) or settings is None:
             return ""
         now = json.loads(_settings_json(settings))
-        return ", ".join(f"{k} ({json.dumps(before.get(k))} → {json.dumps(now.get(k))})"
+        shown = lambda v: "not given" if v is None else json.dumps(v)  # noqa: E731  (not "null")
+        return ", ".join(f"{k} ({shown(before.get(k))} → {shown(now.get(k))})"
                          for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k))
 
     def get(self, key: str) -> str | None:

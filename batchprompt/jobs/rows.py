@@ -109,6 +109,8 @@ def _rows(n: int) -> str:
 
 
 def detect_format(path: str) -> str:
+    if path != "-" and Path(path).is_dir():
+        raise InputError(f"{path} is a folder: give the input file (.jsonl, .csv or .parquet) itself")
     suffix = Path(path).suffix.lower()
     if path == "-" or suffix in (".jsonl", ".json", ".ndjson"):
         return "jsonl"
@@ -286,7 +288,13 @@ def _no_constant(name: str) -> Any:
 def json_loads(text: str | bytes) -> Any:
     """json.loads of strict JSON, as OpenAI reads it: NaN and Infinity (which Python's json
     takes) are a JSONDecodeError, as is JSON nested too deeply for it (a RecursionError), so
-    that such input is refused like any other bad JSON."""
+    that such input is refused like any other bad JSON. A UTF-8 byte-order mark before the JSON
+    is skipped on any line, as on the first (files saved with one and joined with `cat`: Python's
+    "Unexpected UTF-8 BOM (decode using utf-8-sig)" failed the row)."""
+    if isinstance(text, str):
+        text = text.removeprefix("\ufeff")
+    else:
+        text = text.removeprefix(b"\xef\xbb\xbf")
     try:
         return json.loads(text, parse_constant=_no_constant)
     except RecursionError:

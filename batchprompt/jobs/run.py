@@ -95,19 +95,19 @@ class JobSummary:
 
     def _headline(self) -> str:
         if self.estimate_seconds is not None:
-            return (f"dry run: {self.rows} rows ({self.failed} that cannot run), {self.prompt_tokens:,} prompt "
+            return (f"dry run: {_n_rows(self.rows)} ({self.failed} that cannot run), {self.prompt_tokens:,} prompt "
                     f"tokens; estimated run time {_duration(self.estimate_seconds)}")
         if self.already_complete:
-            return (f"{self.rows} rows: {self.ok} ok, {self.failed} failed, all from an earlier run; "
+            return (f"{_n_rows(self.rows)}: {self.ok} ok, {self.failed} failed, all from an earlier run; "
                     f"{self.prompt_tokens:,} prompt and {self.completion_tokens:,} generated tokens")
-        head = (f"{self.rows} rows: {self.ok} ok, {self.failed} failed"
+        head = (f"{_n_rows(self.rows)}: {self.ok} ok, {self.failed} failed"
                 f"{f' ({self.resumed} from an earlier run)' if self.resumed else ''}{self._left()}; "
                 f"{self.prompt_tokens:,} prompt and {self.completion_tokens:,} generated tokens")
         if not self.run_rows:  # nothing computed now: no rate to give
             return f"{head}; {'nothing finished in this run' if self.interrupted else 'outputs written from the journal'}"
         # The rate is this run's tokens over this run's time: resumed rows took no time now.
         rate = self.run_completion_tokens / self.seconds if self.seconds else 0.0
-        now = (f"this run {self.run_rows} rows, {self.run_completion_tokens:,} generated tokens "
+        now = (f"this run {_n_rows(self.run_rows)}, {self.run_completion_tokens:,} generated tokens "
                if self.resumed else "")
         return (f"{head}; {now}in {_duration(self.seconds)} ({rate:,.0f} tok/s); prefix-cache hit "
                 f"{self.prefix_cache_hit_rate:.0%}")
@@ -127,6 +127,10 @@ def _duration(s: float) -> str:
 
 def default_errors_path(output: str) -> str | None:
     return None if output == "-" else output + ".errors.jsonl"
+
+
+def _n_rows(n: int) -> str:
+    return f"{n} row" if n == 1 else f"{n} rows"
 
 
 def fingerprint(raw: bytes, opts: JobOptions, rows: list[Row] | None = None) -> tuple[str, dict[str, object], str]:
@@ -633,7 +637,7 @@ class JobRun:
         per_row = (time.perf_counter() - t0) / max(len(sample), 1)
         summary.estimate_seconds = per_row * len(ready)
         summary.seconds = time.perf_counter() - t0
-        self.say(f"calibration: {len(sample)} rows in {summary.seconds:.1f}s; larger batches run faster per "
+        self.say(f"calibration: {_n_rows(len(sample))} in {summary.seconds:.1f}s; larger batches run faster per "
                  f"row, so the estimate is an upper bound")
         return summary
 

@@ -54,8 +54,11 @@ def resolve_model(model: str | Path | None) -> ModelSource:
         raise ModelNotFoundError(f"{path} holds neither config.json nor exactly one .gguf file")
     if path.exists():
         raise ModelNotFoundError(f"{path} is not a .gguf file or a model directory")
-    if str(model).count("/") == 1 and not str(model).startswith((".", "/")):
+    if str(model).count("/") == 1 and not str(model).startswith((".", "/")) and path.suffix != ".gguf":
         return ModelSource("hf_dir", _download(str(model)), str(model))
+    if path.suffix == ".gguf" or str(model).startswith((".", "/", "~")):
+        raise ModelNotFoundError(f"no such file or directory: {str(model)!r} (the model path); check it, or give "
+                                 f"'smollm2-135m' for the embedded model")
     raise ModelNotFoundError(
         f"unknown model {str(model)!r}: give a .gguf file, a local Hugging Face model directory "
         f"(config.json + *.safetensors), a hub id such as 'HuggingFaceTB/SmolLM2-135M-Instruct', "

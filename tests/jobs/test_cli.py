@@ -603,3 +603,22 @@ def test_a_table_input_error_exits_2_on_a_busy_machine_never_aborting(tmp_path):
         for p in busy:
             p.kill()
             p.wait()
+
+
+def test_small_mistakes_get_the_commands_usage_and_say_what_is_wrong(tmp_path, capsys):
+    """An unknown option printed the top-level usage ("batchprompt [-h] [--version] {run,serve}"),
+    a folder as input was an "unknown input format ''", and the summary said "1 rows"."""
+    with pytest.raises(SystemExit) as e:
+        main(["run", "in.jsonl", "-o", "out.jsonl", "--frobnicate"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage: batchprompt run" in err and "unrecognized arguments: --frobnicate" in err
+    (tmp_path / "odir").mkdir()
+    assert main(["run", str(tmp_path / "odir"), "-o", str(tmp_path / "q.jsonl"), "--no-progress"]) == 2
+    assert "odir is a folder: give the input file" in capsys.readouterr().err
+
+
+def test_one_row_is_one_row():
+    from batchprompt.jobs.run import JobSummary as Summary
+
+    assert str(Summary(rows=1, ok=1)).startswith("1 row: 1 ok, 0 failed")
+    assert str(Summary(rows=2, ok=2)).startswith("2 rows: 2 ok")

@@ -267,3 +267,16 @@ def test_a_rows_error_names_its_field(line, param):
     err = parse_line(3, line)
     assert isinstance(err, RowError) and err.param == param, err
     assert openai_io.row_error_line(err)["response"]["body"]["error"]["param"] == param
+
+
+def test_a_byte_order_mark_on_any_line_is_skipped_as_on_the_first():
+    """Files saved with a BOM and joined with cat: the later BOMs failed their rows with
+    Python's words ("Unexpected UTF-8 BOM (decode using utf-8-sig)"), in run and on the server."""
+    from batchprompt.server.batch_input import check_input
+
+    line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"messages": [{"role": "user", "content": "hi"}]}})
+    assert isinstance(parse_line(3, "\ufeff" + line), Row)
+    raw = ("\ufeff" + line + "\n" + "\ufeff" + line.replace('"a"', '"b"') + "\n").encode()
+    checked = check_input(raw, "/v1/chat/completions", "m", {"m"})
+    assert checked.ok and len(checked.rows) == 2, checked.errors

@@ -39,7 +39,7 @@ def test_the_bar_and_the_dry_run_count_the_rows_refused_as_they_are_prepared(tmp
     last = [line for line in bar if "row" in line and "/" in line][-1]
     assert "6/6" in last and "5 errors" in last, last
     assert (dry.rows, dry.failed, dry.prompt_tokens) == (6, 5, real.prompt_tokens)
-    assert "calibration: 1 rows" in dry_out.getvalue()
+    assert "calibration: 1 row in" in dry_out.getvalue()
 
 
 @pytest.mark.slow

@@ -17,6 +17,13 @@ def test_unknown_model_names_the_alternatives():
         resolve_model("no-such-model")
 
 
+def test_a_model_path_that_does_not_exist_says_so(tmp_path):
+    """It was "unknown model ...: give a .gguf file, ...", as if a .gguf path were not one."""
+    for missing in (tmp_path / "nothing.gguf", "./models/none", "org/model.gguf"):
+        with pytest.raises(ModelNotFoundError, match=r"no such file or directory: .*\(the model path\)"):
+            resolve_model(str(missing))
+
+
 def test_hub_id_offline_says_so_and_names_local_options(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelNotFoundError, match="Offline.*local path"):

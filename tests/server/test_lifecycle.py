@@ -88,7 +88,7 @@ def test_health_ready_and_metrics_need_no_key(server):
 
 def test_bad_options_exit_2_before_loading(tmp_path):
     env = {**os.environ, "BATCHPROMPT_API_KEY": "  "}  # read when --api-key is not given
-    for args, words in ((["--model", str(tmp_path / "missing.gguf")], "unknown model"),
+    for args, words in ((["--model", str(tmp_path / "missing.gguf")], "no such file or directory"),
                         (["--max-body-bytes", "10"], "--max-body-bytes"),
                         (["--port", "70000"], "--port"),
                         (["--kv-cache-memory", "lots"], "--kv-cache-memory 'lots' is not a memory size"),
