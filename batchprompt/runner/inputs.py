@@ -33,10 +33,10 @@ def build_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.de
     laid out first and served by it as one DecodeBatch. `varlen_op`: a variable-length
     attention kernel (CUDA); when given, it serves every chunk, laid out in their order, as one
     VarlenBatch (and `decode_op` is not used)."""
-    if varlen_op is not None:
-        decode_op, plan = None, [list(range(len(chunks)))]
-    decodes = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1] if decode_op is not None else []
-    if varlen_op is None:
+    if varlen_op is not None:  # one call for every chunk, in their order
+        decode_op, decodes, plan = None, [], [list(range(len(chunks)))]
+    else:
+        decodes = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1] if decode_op is not None else []
         plan = ([decodes] if decodes else []) + _plan_groups(chunks, skip=set(decodes))
     ids: list[int] = []
     positions: list[int] = []
