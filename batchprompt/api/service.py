@@ -485,6 +485,7 @@ def _stop_at_exit() -> None:
     called without an active exception", exit status 134). Unfinished work is cancelled."""
     deadline = time.monotonic() + EXIT_WAIT_S
     services = list(_alive)
+    running = [s for s in services if not s.stopped]  # those stopped before (bp.shutdown()) said so then
     for service in services:
         try:
             service.shutdown(max(deadline - time.monotonic(), 0), at_exit=True)
@@ -497,9 +498,9 @@ def _stop_at_exit() -> None:
             os._exit(130)
         except Exception:  # noqa: BLE001 - exiting: the others must still be stopped
             log.exception("stopping an engine at exit failed")
-    cut = sum(s.cancelled_at_stop for s in services)
+    cut = sum(s.cancelled_at_stop for s in running)
     if cut:
-        dropped = sum(s.callbacks_dropped for s in services)
+        dropped = sum(s.callbacks_dropped for s in running)
         log.warning("the script ended with %d prompt%s unfinished: cancelled%s. Call wait() on a batch (or "
                     "iterate it) before the script ends to keep its results", cut, "" if cut == 1 else "s",
                     f", and the {dropped} callback{'' if dropped == 1 else 's'} of their results not run"

@@ -206,6 +206,7 @@ def test_a_ctrl_c_while_the_engines_stop_at_exit_ends_the_process_at_once(monkey
 
     class Stopping:
         cancelled_at_stop = callbacks_dropped = 0
+        stopped = False
 
         def shutdown(self, timeout=None, at_exit=False):
             raise KeyboardInterrupt  # as the signal lands in the wait for the engine thread
