@@ -32,10 +32,10 @@ def _settings_json(settings: dict[str, object]) -> str:
 class Journal:
     def __init__(self, path: str | Path, fingerprint: str, restart: bool = False,
                  commit_every: int = 64, commit_seconds: float = 0.5, job_id: str | None = None,
-                 settings: dict[str, object] | None = None, legacy: str | None = None):
+                 settings: dict[str, object] | None = None, legacy: str | tuple[str, ...] | None = None):
         """`settings`: what the fingerprint was made of, by name (kept, so that a mismatch can
-        say which of them changed). `legacy`: the same job's fingerprint as an older batchprompt
-        made it; a journal that holds it is this job's (and takes the new one)."""
+        say which of them changed). `legacy`: the same job's fingerprint(s) as older batchprompts
+        made it; a journal that holds one is this job's (and takes the new one)."""
         self.path = Path(path)
         self._pending: list[tuple[int, str | None, int, str, int, int]] = []
         try:
@@ -57,7 +57,8 @@ class Journal:
         if self.get("fingerprint") is None and not restart and not self.empty():  # its meta table was lost
             self._refuse(f"the journal {self.path} holds rows but no record of the job they belong to "
                          f"(damaged, or not made by batchprompt): give another --journal, or --restart to start over")
-        other = self.get("fingerprint") not in (None, fingerprint, legacy)  # begun for another input or options
+        olds = legacy if isinstance(legacy, tuple) else (legacy,)
+        other = self.get("fingerprint") not in (None, fingerprint, *olds)  # begun for another input or options
         if other and not restart and not self.empty():
             changed = self._changed(settings)
             self._refuse(

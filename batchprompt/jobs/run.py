@@ -133,34 +133,40 @@ def _n_rows(n: int) -> str:
     return f"{n} row" if n == 1 else f"{n} rows"
 
 
-def fingerprint(raw: bytes, opts: JobOptions, rows: list[Row] | None = None) -> tuple[str, dict[str, object], str]:
+def fingerprint(raw: bytes, opts: JobOptions,
+                rows: list[Row] | None = None) -> tuple[str, dict[str, object], tuple[str, str]]:
     """The job's fingerprint (its input and the options that change its answers), the same by
     the names a user knows (kept in the journal so that a mismatch names what changed), and the
-    fingerprint with every option counted, as journals of jobs begun before the rule below have it.
+    fingerprints that journals of jobs begun by earlier versions have: with every option counted
+    (before the rule below), and with --system always counted (before it joined the rule).
 
     Given the input's `rows`, a default that no row takes counts as not given: --max-tokens
     where every row sets its own, --temperature likewise, --seed where every row sets its own or
-    runs greedy. A resume with another value of such an option changes no answer, so it is not
-    refused. (Without `rows`: every option counts.)"""
-    max_tokens, temperature, seed = opts.max_tokens, opts.temperature, opts.seed
+    runs greedy, --system where every row is a completion or begins with its own system message.
+    A resume with another value of such an option changes no answer, so it is not refused.
+    (Without `rows`: every option counts.)"""
+    max_tokens, temperature, seed, system = opts.max_tokens, opts.temperature, opts.seed, opts.system
     if rows is not None:
         rows = [r for r in rows if isinstance(r, Row)]  # a line that is not a request takes no default
         if all(max_tokens_field(r.body) is not None for r in rows):
             max_tokens = None
+        if all(r.url != CHAT or (r.messages and r.messages[0].get("role") == "system") for r in rows):
+            system = None
         if all(r.body.get("temperature") is not None for r in rows):
             temperature = None
         if all(r.body.get("seed") is not None or _given(r.body.get("temperature"), opts.temperature) == 0
                for r in rows):
             seed = None
     raw_hash = hashlib.sha256(raw)  # once: the input may be large
-    settings = _settings(opts, max_tokens, temperature, seed)
+    settings = _settings(opts, max_tokens, temperature, seed, system)
     named = {"the input file (sha256)": raw_hash.hexdigest()[:16], **dict(settings)}
     return (_hashed(raw_hash, settings), named,
-            _hashed(raw_hash, _settings(opts, opts.max_tokens, opts.temperature, opts.seed)))
+            (_hashed(raw_hash, _settings(opts, opts.max_tokens, opts.temperature, opts.seed, opts.system)),
+             _hashed(raw_hash, _settings(opts, max_tokens, temperature, seed, opts.system))))
 
 
-def _settings(opts: JobOptions, max_tokens, temperature, seed) -> list[tuple[str, object]]:
-    settings = [("--model", _model_named(opts.model)), ("--system", opts.system), ("--max-tokens", max_tokens),
+def _settings(opts: JobOptions, max_tokens, temperature, seed, system) -> list[tuple[str, object]]:
+    settings = [("--model", _model_named(opts.model)), ("--system", system), ("--max-tokens", max_tokens),
                 ("--temperature", temperature), ("--seed", seed), ("--column", opts.column),
                 ("--format", opts.format), ("the structured-output options", opts.structured)]
     if opts.dtype != "auto":  # a resume in another dtype mixed float32 and bfloat16 rows; "auto" (the

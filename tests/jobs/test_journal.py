@@ -205,6 +205,34 @@ def test_a_default_no_row_takes_does_not_change_the_jobs_fingerprint(tmp_path):
     assert fp(greedy, seed=1, temperature=0.5) != fp(greedy, seed=2, temperature=0.5)
 
 
+def test_a_system_prompt_no_row_takes_does_not_change_the_jobs_fingerprint(tmp_path):
+    """--system blocked a resume of a finished job whose every row begins with its own system
+    message (the option changed no answer), as --max-tokens did before it joined the rule."""
+    from batchprompt.jobs.rows import read_input
+    from batchprompt.jobs.run import JobOptions, fingerprint
+
+    def rows(*messages, url="/v1/chat/completions"):
+        inp = tmp_path / "in.jsonl"
+        key = "messages" if url.endswith("chat/completions") else "prompt"
+        inp.write_text("".join(json.dumps({"custom_id": str(i), "method": "POST", "url": url, "body": {key: m}})
+                               + "\n" for i, m in enumerate(messages)))
+        return read_input(str(inp), None)
+
+    def fp(table, **opts):
+        return fingerprint(table.raw, JobOptions("in", "out", **opts), table.rows)
+
+    sys_msg = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"}]
+    dev_msg = [{"role": "developer", "content": "Be terse."}, {"role": "user", "content": "yo"}]
+    own = rows(sys_msg, dev_msg)
+    assert fp(own, system="hi")[0] == fp(own, system="bye")[0] == fp(own)[0]
+    # A journal of this job begun by the version that counted --system is still this job's.
+    assert fp(own, system="hi")[2][1] != fp(own)[0] and fp(own, system="hi")[2][1] != fp(own, system="bye")[2][1]
+    completions = rows("hi", "yo", url="/v1/completions")
+    assert fp(completions, system="hi")[0] == fp(completions, system="bye")[0]
+    some = rows(sys_msg, [{"role": "user", "content": "no system"}])
+    assert fp(some, system="hi")[0] != fp(some, system="bye")[0]
+
+
 def test_a_journal_begun_under_the_older_fingerprint_is_taken_over(tmp_path):
     """A job begun by a batchprompt that counted every option resumes under the new fingerprint
     (given as `legacy`), its rows kept; a journal of another job is still refused."""
@@ -218,3 +246,4 @@ def test_a_journal_begun_under_the_older_fingerprint_is_taken_over(tmp_path):
     assert Journal(path, "new", legacy="unrelated").done_lines() == {1}
     with pytest.raises(JournalMismatch):
         Journal(path, "other", legacy="old")
+    assert Journal(path, "newer", legacy=("older", "new")).done_lines() == {1}  # any of several
