@@ -98,3 +98,33 @@ def test_a_warning_while_the_bar_shows_gets_a_line_of_its_own(tmp_path, monkeypa
     assert len(starts) == 3, text
     assert all(text[i - 1] in "\r\n" for i in starts), text  # the bar's line was cleared first
     assert "3/3" in text[starts[-1]:], text  # then the bar again, to its end
+
+
+@pytest.mark.slow
+def test_the_bar_ends_on_the_runs_own_rate_not_a_stale_live_one(tmp_path, monkeypatch):
+    """Rows that all end together left the bar on the live rate of a snapshot taken early (40 tok/s
+    on the bar, 204 in the summary). Here the live rate is stuck at 1 tok/s: the bar's last line
+    gives the run's rate instead."""
+    import re
+
+    import batchprompt.jobs.run as run_module
+
+    class Stuck:
+        def __init__(self, backend):
+            pass
+
+        def rate(self):
+            return 1.0
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(run_module, "LiveRate", Stuck)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    inp.write_text("".join(chat_line(i, f"Count to {i + 3}.", max_tokens=8) + "\n" for i in range(3)))
+    shown = io.StringIO()
+    real = JobRun(JobOptions(str(inp), str(out)), shown).run()
+    assert real.ok == 3 and real.run_completion_tokens > 3
+    last = [line for line in shown.getvalue().replace("\r", "\n").splitlines() if "3/3" in line][-1]
+    rate = float(re.search(r"([\d,.]+) tok/s", last).group(1).replace(",", ""))
+    assert rate > 1.0, last
