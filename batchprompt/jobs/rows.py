@@ -109,8 +109,6 @@ def _rows(n: int) -> str:
 
 
 def detect_format(path: str) -> str:
-    if path != "-" and Path(path).is_dir():
-        raise InputError(f"{path} is a folder: give the input file (.jsonl, .csv or .parquet) itself")
     suffix = Path(path).suffix.lower()
     if path == "-" or suffix in (".jsonl", ".json", ".ndjson"):
         return "jsonl"
@@ -123,14 +121,14 @@ def detect_format(path: str) -> str:
 
 
 def read_input(path: str, column: str | None = None, stdin=None) -> Table:
+    if path != "-" and Path(path).is_dir():  # before its name's format ("unknown input format ''")
+        raise InputError(f"{path}: is a folder, not an input file; give the file in it (a .jsonl, .csv or "
+                         f".parquet file)")
     fmt = detect_format(path)
     if path == "-":
         raw = (stdin or __import__("sys").stdin.buffer).read()
     else:
         p = Path(path)
-        if p.is_dir():
-            raise InputError(f"{path}: is a folder, not an input file; give the file in it (a .jsonl, .csv or "
-                             f".parquet file)")
         if not p.is_file():
             raise InputError(f"{path}: no such input file")
         raw = p.read_bytes()

@@ -614,7 +614,7 @@ def test_small_mistakes_get_the_commands_usage_and_say_what_is_wrong(tmp_path, c
     assert e.value.code == 2 and "usage: batchprompt run" in err and "unrecognized arguments: --frobnicate" in err
     (tmp_path / "odir").mkdir()
     assert main(["run", str(tmp_path / "odir"), "-o", str(tmp_path / "q.jsonl"), "--no-progress"]) == 2
-    assert "odir is a folder: give the input file" in capsys.readouterr().err
+    assert "odir: is a folder, not an input file" in capsys.readouterr().err
 
 
 def test_one_row_is_one_row():
