@@ -196,7 +196,7 @@ class Batch:
             for fn in subscribers:  # ours, quick, and they do not raise
                 fn(result.index, result)
             for fn in on_result:
-                self._service.dispatch(fn, result.index, result)
+                self._service.dispatch(fn, result.index, result, cut=result.finish_reason == "cancelled")
             if self._bar is not None:
                 self._bar.update(1)
                 if self._failed:
@@ -212,13 +212,14 @@ class Batch:
             on_complete = list(self._on_complete)
             self._completed = True  # an on_complete added from now on is called at once
             through_callbacks = self._dispatched or bool(on_complete)
+            cut = self._cancelled > 0
         if self._bar is not None:
             self._bar.close()
         for fn in on_complete:
-            self._service.dispatch(fn, results)
+            self._service.dispatch(fn, results, cut=cut)
         self._done.set()
         if through_callbacks:  # queued behind this batch's callbacks: runs after them
-            self._service.dispatch(self._finish, internal=True)
+            self._service.dispatch(self._finish)
         else:
             self._finish()
 

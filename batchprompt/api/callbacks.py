@@ -27,15 +27,15 @@ class CallbackThread:
         self._lock = threading.Lock()
         self._closed = False
         self._dropping = False
-        self.dropped = 0  # user callbacks not run since drop_new()
+        self.dropped = 0  # callbacks on cut results not run since drop_cut()
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
-    def dispatch(self, fn: Callable, *args, internal: bool = False) -> None:
-        """Run `fn(*args)` on the thread, after everything dispatched before it (a user callback
-        after drop_new(): counted, not run; `internal`: ours, always run)."""
+    def dispatch(self, fn: Callable, *args, cut: bool = False) -> None:
+        """Run `fn(*args)` on the thread, after everything dispatched before it. `cut`: a callback
+        on results that a stop cut short (cancelled), which after drop_cut() is counted, not run."""
         with self._lock:
-            if self._dropping and not internal:
+            if self._dropping and cut:
                 self.dropped += 1
                 return
             if not self._closed:
@@ -43,9 +43,9 @@ class CallbackThread:
                 return
         _run(fn, args)
 
-    def drop_new(self) -> None:
-        """From now on, user callbacks are not run (at interpreter exit: the cancelled results
-        of the prompts the exit cut short; those dispatched before still run)."""
+    def drop_cut(self) -> None:
+        """From now on, callbacks on cut results are not run (at interpreter exit: the prompts the
+        exit cancelled; those of results that came, before or during the exit, still run)."""
         with self._lock:
             self._dropping = True
 

@@ -182,10 +182,10 @@ class EngineService:
                 self.engine.abort(rid)
         return self.call(run)
 
-    def dispatch(self, fn: Callable, *args, internal: bool = False) -> None:
+    def dispatch(self, fn: Callable, *args, cut: bool = False) -> None:
         """Run a user callback on the callback thread, in the order dispatched (once the service
-        has stopped, at once on this thread). `internal`: ours, run even at exit."""
-        self._callbacks.dispatch(fn, *args, internal=internal)
+        has stopped, at once on this thread). `cut`: on results a stop cancelled (not run at exit)."""
+        self._callbacks.dispatch(fn, *args, cut=cut)
 
     def add_session(self, name: str) -> None:
         with self._cond:
@@ -219,11 +219,11 @@ class EngineService:
         leave the registry and drop the engine, so its weights and KV cache can be freed (unless
         the caller holds the engine). Returns once the threads have ended (True), except for the
         one it is called on, or after `timeout` seconds (False: the engine thread is still in a
-        step; it ends after it). `at_exit`: the user callbacks of the results cut short are not
-        run (counted in `callbacks_dropped`); those of results that came before still run."""
+        step; it ends after it). `at_exit`: the callbacks on the results the stop cancels are not
+        run (counted in `callbacks_dropped`); those of results that come still run."""
         _unregister(self)
         if at_exit:
-            self._callbacks.drop_new()
+            self._callbacks.drop_cut()
         with self._cond:
             if not self._stopping:
                 self._stopping, self.stop_reason = True, SHUT_DOWN
@@ -503,8 +503,8 @@ def _stop_at_exit() -> None:
         dropped = sum(s.callbacks_dropped for s in running)
         log.warning("the script ended with %d prompt%s unfinished: cancelled%s. Call wait() on a batch (or "
                     "iterate it) before the script ends to keep its results", cut, "" if cut == 1 else "s",
-                    f", and the {dropped} callback{'' if dropped == 1 else 's'} of their results not run"
-                    if dropped else "")
+                    f", without the {dropped} call{'' if dropped == 1 else 's'} of on_result and on_complete "
+                    f"for them" if dropped else "")
 
 
 atexit.register(_stop_at_exit)

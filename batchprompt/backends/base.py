@@ -95,9 +95,9 @@ class Backend(Protocol):
     def cancel(self, source: Source, on_pending: Callable[[Item], None]) -> Future:
         """See the module's contract; the future completes once the cancel has taken effect."""
 
-    def dispatch(self, fn: Callable, *args, internal: bool = False) -> None:
-        """Run a user callback on the backend's callback thread, in order (`internal`: one of
-        the API's own, which runs even where user callbacks are no longer run, at exit)."""
+    def dispatch(self, fn: Callable, *args, cut: bool = False) -> None:
+        """Run a user callback on the backend's callback thread, in order (`cut`: on results a
+        stop cancelled, which a local engine does not run at interpreter exit)."""
 
     def pin_prefix(self, name: str, token_ids: list[int]) -> Future:
         """Compute `token_ids` once and keep them cached under `name` (a session's shared

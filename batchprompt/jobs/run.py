@@ -502,13 +502,14 @@ class JobRun:
             t0 = time.perf_counter()
             stats0 = _stats_snapshot(service)
             rerun0 = getattr(service, "rows_rerun", 0)
-            interrupted_by = self._compute(service, todo, journal, model_name, len(table.rows), summary)
+            interrupted_by = self._compute(service, todo, journal, model_name, len(table.rows), summary, t0)
             summary.rows_rerun = getattr(service, "rows_rerun", 0) - rerun0
             s = service.stats()
             pt, cached = s.prompt_tokens - stats0[0], s.cached_prompt_tokens - stats0[1]
             summary.prefix_cache_hit_rate = cached / pt if pt else 0.0
         journal.flush()
-        summary.seconds = time.perf_counter() - t0
+        if service is None:  # else _compute set it
+            summary.seconds = time.perf_counter() - t0
         ok, total = journal.counts()
         summary.ok, summary.failed = ok, total - ok + len(self._not_run)
         summary.not_run = len(self._not_run)
@@ -648,9 +649,10 @@ class JobRun:
         return summary
 
     def _compute(self, service: Backend, todo: list[Row], journal: Journal, model_name: str,
-                 total_rows: int, summary: JobSummary) -> int:
+                 total_rows: int, summary: JobSummary, started: float) -> int:
         """Run `todo`, journaling each row as it finishes; 0, or the signal that interrupted it
-        (the rows finished by then are committed)."""
+        (the rows finished by then are committed). Sets `summary.seconds`, counted from `started`,
+        which the bar's last rate shares."""
         items, owners = self._prepare(service, todo, journal)
         # The bar starts at every row answered so far (earlier runs', unreadable ones, those refused
         # just now), so that it ends at the total with as many errors as the summary gives.
@@ -716,14 +718,14 @@ class JobRun:
             batch.cancel()
             raise
         finally:
+            summary.seconds = elapsed = time.perf_counter() - started  # the summary's rate is over this
             redirect.close()
             if live is not None:
                 live.close()
             if bar is not None:
-                # The bar's last word is the run's own rate, as the summary gives it: the live rate
-                # lags by a snapshot, and rows that all end together ended it on one taken early
-                # (40 tok/s on the bar, 204 in the summary).
-                elapsed = time.perf_counter() - t0
+                # The bar's last word is the run's own rate, the summary's: the live rate lags by a
+                # snapshot, and rows that all end together ended it on one taken early (40 tok/s on
+                # the bar, 204 in the summary).
                 rate = summary.run_completion_tokens / elapsed if elapsed > 0 else 0.0
                 bar.set_postfix_str(f"{rate:,.0f} tok/s, {errors} errors", refresh=False)
                 bar.close()

@@ -164,8 +164,8 @@ class RayBackend:
         self._command(("cancel", source, on_pending, fut), fut)
         return fut
 
-    def dispatch(self, fn: Callable, *args, internal: bool = False) -> None:
-        self._callbacks.dispatch(fn, *args, internal=internal)
+    def dispatch(self, fn: Callable, *args, cut: bool = False) -> None:
+        self._callbacks.dispatch(fn, *args, cut=cut)
 
     def pin_prefix(self, name: str, token_ids: list[int]) -> Future:
         """Pin `token_ids` on every replica (pinned again on a replica that restarts); the future

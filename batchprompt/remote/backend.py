@@ -132,8 +132,8 @@ class RemoteBackend:
     def copy_pin(self, source: str, name: str) -> Future:
         return _done(0)
 
-    def dispatch(self, fn: Callable, *args, internal: bool = False) -> None:
-        self._callbacks.dispatch(fn, *args, internal=internal)
+    def dispatch(self, fn: Callable, *args, cut: bool = False) -> None:
+        self._callbacks.dispatch(fn, *args, cut=cut)
 
     # ---- callers' side (any thread) -----------------------------------------------------------
     def submit(self, source: Source) -> None:

@@ -104,7 +104,8 @@ def test_a_warning_while_the_bar_shows_gets_a_line_of_its_own(tmp_path, monkeypa
 def test_the_bar_ends_on_the_runs_own_rate_not_a_stale_live_one(tmp_path, monkeypatch):
     """Rows that all end together left the bar on the live rate of a snapshot taken early (40 tok/s
     on the bar, 204 in the summary). Here the live rate is stuck at 1 tok/s: the bar's last line
-    gives the run's rate instead."""
+    gives the run's rate instead, the very figure of the summary (they timed from different
+    starts: 71 against 48 tok/s for one row)."""
     import re
 
     import batchprompt.jobs.run as run_module
@@ -126,5 +127,6 @@ def test_the_bar_ends_on_the_runs_own_rate_not_a_stale_live_one(tmp_path, monkey
     real = JobRun(JobOptions(str(inp), str(out)), shown).run()
     assert real.ok == 3 and real.run_completion_tokens > 3
     last = [line for line in shown.getvalue().replace("\r", "\n").splitlines() if "3/3" in line][-1]
-    rate = float(re.search(r"([\d,.]+) tok/s", last).group(1).replace(",", ""))
-    assert rate > 1.0, last
+    shown_rate = re.search(r"([\d,.]+) tok/s", last).group(1)
+    assert shown_rate != "1", last
+    assert f"({shown_rate} tok/s)" in str(real), (last, str(real))  # the summary's own figure
