@@ -41,6 +41,9 @@ from .result import EngineStoppedError
 log = logging.getLogger("batchprompt")
 
 SHUT_DOWN = "the engine was shut down (bp.shutdown() or LanguageModel.close())"
+# At interpreter exit: the same stop, which the user did not call (a thread still building a
+# session blamed bp.shutdown()).
+SHUT_DOWN_AT_EXIT = "the engine was shut down as the Python interpreter exited (the script ended)"
 MADE_EVERY_S = 1.0  # how often the sources' tokens made so far are counted (Source.made)
 
 
@@ -157,7 +160,7 @@ class EngineService:
                 return
         while source.items:
             item = source.items.popleft()
-            answer(item, stopped_output(item, self.stop_reason, self.stop_reason == SHUT_DOWN, ""))
+            answer(item, stopped_output(item, self.stop_reason, self._shut_down, ""))
 
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run `fn` on the engine thread, between steps; its result comes back in the future
@@ -202,6 +205,11 @@ class EngineService:
         return len(self._sessions)
 
     @property
+    def _shut_down(self) -> bool:
+        """Stopped as asked (by a call, or at exit), not by a failure."""
+        return self.stop_reason in (SHUT_DOWN, SHUT_DOWN_AT_EXIT)
+
+    @property
     def callbacks_dropped(self) -> int:
         return self._callbacks.dropped
 
@@ -226,7 +234,7 @@ class EngineService:
             self._callbacks.drop_cut()
         with self._cond:
             if not self._stopping:
-                self._stopping, self.stop_reason = True, SHUT_DOWN
+                self._stopping, self.stop_reason = True, SHUT_DOWN_AT_EXIT if at_exit else SHUT_DOWN
             self._cond.notify()
         current = threading.current_thread()
         if current is self._thread:  # a command: the loop ends when it returns
@@ -437,13 +445,13 @@ class EngineService:
         for source, item in in_engine:
             source.in_engine.pop(item.request_id, None)
             self._discard(item.request_id)
-            answer(item, stopped_output(item, self.stop_reason, self.stop_reason == SHUT_DOWN))
+            answer(item, stopped_output(item, self.stop_reason, self._shut_down))
             self._cut_short += 1
         for source in sources:
             source.cancelled = True
             while source.items:
                 item = source.items.popleft()
-                answer(item, stopped_output(item, self.stop_reason, self.stop_reason == SHUT_DOWN, ""))
+                answer(item, stopped_output(item, self.stop_reason, self._shut_down, ""))
                 self._cut_short += 1
         for name in sessions:  # matters where the caller owns the engine and goes on using it
             try:

@@ -13,6 +13,7 @@ GPU or PyTorch, BATCHPROMPT_ATTENTION=sdpa) the padded groups serve.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from typing import Callable
@@ -68,7 +69,7 @@ def _agrees(device, dtype, num_heads, num_kv_heads, head_dim) -> bool:
     q_lens, k_lens = [3, 1, 7], [21, 9, 7]
     rand = lambda n, h: torch.randn(n, h, head_dim, generator=g).to(device, dtype)  # noqa: E731
     q, k, v = rand(sum(q_lens), num_heads), rand(sum(k_lens), num_kv_heads), rand(sum(k_lens), num_kv_heads)
-    cum = lambda xs: torch.tensor([0, *torch.tensor(xs).cumsum(0).tolist()], dtype=torch.int32, device=device)  # noqa: E731
+    cum = lambda xs: torch.tensor([0, *itertools.accumulate(xs)], dtype=torch.int32, device=device)  # noqa: E731
     args = (q, k, v, cum(q_lens), cum(k_lens), max(q_lens), max(k_lens), head_dim ** -0.5)
     try:
         got = flash_varlen(*args)
