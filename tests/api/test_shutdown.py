@@ -248,11 +248,11 @@ def test_at_exit_only_the_callbacks_on_cut_results_are_dropped():
     assert calls == ["finished in the last step"] and thread.dropped == 1
 
 
-def test_a_stop_at_exit_says_so_and_blames_no_call():
+def test_a_stop_at_exit_says_so_and_blames_no_call(engine32):
     """A thread still building a session when the script ended got "the engine was shut down
     (bp.shutdown() or LanguageModel.close())", a call the user never made."""
     from batchprompt.api.service import SHUT_DOWN_AT_EXIT, EngineService
 
-    service = EngineService(None, name="exit-test")  # no engine: nothing to build
-    service.shutdown(timeout=10, at_exit=True)
+    service = EngineService(engine32, name="exit-test")
+    assert service.shutdown(timeout=30, at_exit=True)
     assert service.stop_reason == SHUT_DOWN_AT_EXIT and "bp.shutdown()" not in service.stop_reason
