@@ -69,6 +69,9 @@ def message_text(content: Any, where: str = "message") -> str:
             texts.append(part)
             continue
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind is None and isinstance(part, dict):  # text without its type: not "text only" that fails
+            raise ValueError(f"{where}: content part {j} {_short(part)} has no 'type'; a text part is "
+                             f"{{\"type\": \"text\", \"text\": \"...\"}}")
         if kind not in TEXT_PARTS:
             shown = f"type {kind!r}" if isinstance(kind, str) else f"{_short(part)} (no 'type')"
             raise ValueError(f"{where}: content part {j} of {shown} is not supported: the model reads "

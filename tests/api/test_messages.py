@@ -48,7 +48,7 @@ def test_text_parts_are_joined_with_newlines_as_vllm_does():
 @pytest.mark.parametrize("content, match", [
     ([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}], r"part 0 of type 'image_url' is not supported"),
     ([{"type": "text", "text": "a"}, {"type": "input_audio", "input_audio": {}}], r"part 1 of type 'input_audio'"),
-    ([{"text": "no type"}], r"\(no 'type'\) is not supported"),
+    ([{"text": "no type"}], r"content part 0 \{'text': 'no type'\} has no 'type'; a text part is"),  # not "text only"
     ([{"type": "text", "text": None}], r"needs a string 'text'"),
     ([], r"empty list of parts"),
 ])
