@@ -541,8 +541,7 @@ def get_service(model: str | LLMEngine | None = None, *, device: str = "auto", d
                 name = source.name
             service = _services[key] = EngineService(engine, name=f"{name}-{next(_service_ids)}")
             service.engine_options = dict(engine_options or {})
-        elif engine_options and (EngineConfig.from_options(engine_options)
-                                 .for_device(service.engine.runner.device.type) != service.engine.config):
+        elif engine_options and not _same_config(EngineConfig.from_options(engine_options), service.engine):
             # Compared as configs: an option given at its default is no change.
             raise EngineOptionsConflict(
                 f"this process's engine for {model if model is not None else 'the embedded model'} already runs with "
@@ -550,6 +549,16 @@ def get_service(model: str | LLMEngine | None = None, *, device: str = "auto", d
                 f"call bp.shutdown() first (it ends the sessions on that engine), or leave engine_options out "
                 f"to share the running engine")
         return service
+
+
+def _same_config(asked: EngineConfig, engine: LLMEngine) -> bool:
+    """Whether `asked` is the running engine's config, with what it leaves out taken as the
+    engine took it: the device's defaults, and max_model_len None as the model's own context
+    (so giving that context, 8,192 for the embedded model, is no change)."""
+    asked, running = asked.for_device(engine.runner.device.type), engine.config
+    if asked.max_model_len == engine.max_model_len and running.max_model_len is None:
+        asked = dataclasses.replace(asked, max_model_len=None)
+    return asked == running
 
 
 class EngineOptionsConflict(ValueError):

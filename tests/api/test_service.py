@@ -80,3 +80,17 @@ def test_engine_options_that_differ_from_the_running_engines_are_an_error_not_ig
         assert isinstance(lm.prompt("hi"), str)  # the running engine is untouched
     finally:
         bp.shutdown()
+
+
+def test_the_models_own_context_given_as_max_model_len_is_no_change():
+    """max_model_len left out is the model's own context (8,192 for the embedded model): giving
+    that number was a conflict with the running engine, another number still is."""
+    small = {"kv_cache_memory": 256 << 20}  # room for one request of the whole context
+    bp.shutdown()
+    try:
+        bp.LanguageModel.create(engine_options=small, max_tokens=2)
+        assert bp.batch_prompt(["hi"], engine_options={**small, "max_model_len": 8192}, max_tokens=2)[0].ok
+        with pytest.raises(ValueError, match="already runs with engine_options"):
+            bp.batch_prompt(["hi"], engine_options={**small, "max_model_len": 4096}, max_tokens=2)
+    finally:
+        bp.shutdown()
