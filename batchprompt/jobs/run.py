@@ -129,6 +129,11 @@ def default_errors_path(output: str) -> str | None:
     return None if output == "-" else output + ".errors.jsonl"
 
 
+def _takes_system(row: Row) -> bool:
+    """Whether --system reaches the row: a chat row without a system message of its own first."""
+    return row.url == CHAT and not (row.messages and row.messages[0].get("role") == "system")
+
+
 def _n_rows(n: int) -> str:
     return f"{n} row" if n == 1 else f"{n} rows"
 
@@ -150,7 +155,7 @@ def fingerprint(raw: bytes, opts: JobOptions,
         rows = [r for r in rows if isinstance(r, Row)]  # a line that is not a request takes no default
         if all(max_tokens_field(r.body) is not None for r in rows):
             max_tokens = None
-        if all(r.url != CHAT or (r.messages and r.messages[0].get("role") == "system") for r in rows):
+        if not any(map(_takes_system, rows)):
             system = None
         if all(r.body.get("temperature") is not None for r in rows):
             temperature = None
@@ -549,8 +554,7 @@ class JobRun:
         where a chat row takes it (one without a system message of its own). Each such row failed
         alone with "the messages have N tokens", which did not say that --system was the cause."""
         system, limit = self.opts.system, service.max_model_len
-        if not system or not any(r.url == CHAT and (not r.messages or r.messages[0].get("role") != "system")
-                                 for r in todo):
+        if not system or not any(map(_takes_system, todo)):
             return
         try:
             count = len(service.tokenizer.encode(system, add_special_tokens=False, limit=limit))

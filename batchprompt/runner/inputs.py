@@ -78,9 +78,13 @@ def build_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.de
 def _decode_batch(sel: list[ScheduledChunk], block_size: int, op: Callable, as_long) -> DecodeBatch:
     """The decode rows are the first len(sel) tokens of the step."""
     lens = [c.context_len for c in sel]
-    width = -(-max(lens) // block_size)
-    table = [c.block_ids[:width] + [0] * (width - min(len(c.block_ids), width)) for c in sel]
-    return DecodeBatch(0, len(sel), as_long(table), as_long(lens), block_size, op)
+    return DecodeBatch(0, len(sel), as_long(_block_table(sel, block_size)), as_long(lens), block_size, op)
+
+
+def _block_table(chunks: list[ScheduledChunk], block_size: int) -> list[list[int]]:
+    """Each chunk's blocks, as many as the longest context needs, padded with block 0."""
+    width = -(-max(c.context_len for c in chunks) // block_size)
+    return [c.block_ids[:width] + [0] * (width - min(len(c.block_ids), width)) for c in chunks]
 
 
 def _varlen_batch(chunks: list[ScheduledChunk], block_size: int, op: Callable, device) -> VarlenBatch:
@@ -90,9 +94,7 @@ def _varlen_batch(chunks: list[ScheduledChunk], block_size: int, op: Callable, d
     q_lens = [len(c.token_ids) for c in chunks]
     k_lens = [c.context_len for c in chunks]
     max_k, total = max(k_lens), sum(k_lens)
-    width = -(-max_k // block_size)
-    table = torch.tensor([c.block_ids[:width] + [0] * (width - min(len(c.block_ids), width)) for c in chunks],
-                         dtype=torch.long, device=device)
+    table = torch.tensor(_block_table(chunks, block_size), dtype=torch.long, device=device)
     cu_q, cu_k = [0, *itertools.accumulate(q_lens)], [0, *itertools.accumulate(k_lens)]
     row = torch.repeat_interleave(torch.arange(len(chunks), device=device),
                                   torch.tensor(k_lens, device=device), output_size=total)
@@ -130,9 +132,7 @@ def _group(chunks, offsets, members, block_size, device) -> AttentionGroup:
     starts = torch.tensor([c.start for c in sel], device=device)
     max_q = int(q_lens.max())
     max_k = max(c.context_len for c in sel)
-    max_blocks = -(-max_k // block_size)
-    table = torch.tensor([c.block_ids[:max_blocks] + [0] * (max_blocks - min(len(c.block_ids), max_blocks))
-                          for c in sel], dtype=torch.long, device=device)
+    table = torch.tensor(_block_table(sel, block_size), dtype=torch.long, device=device)
     key_slots = (table.unsqueeze(-1) * block_size
                  + torch.arange(block_size, device=device)).view(len(sel), -1)[:, :max_k]
     q_pos = torch.arange(max_q, device=device)
