@@ -481,8 +481,8 @@ def _free_memory() -> None:
 # ---- one service per model in a process ---------------------------------------------------------
 _services: dict[tuple, EngineService] = {}
 _services_lock = threading.Lock()
-# Every service made in this process, for `_stop_at_exit`.
-_alive: weakref.WeakSet[EngineService] = weakref.WeakSet()
+# Every service made in this process, and every backend given to `stop_at_exit`, for `_stop_at_exit`.
+_alive: weakref.WeakSet = weakref.WeakSet()
 EXIT_WAIT_S = 10.0  # at exit, how long in all to wait for engine threads to leave their step
 
 
@@ -516,6 +516,18 @@ def _stop_at_exit() -> None:
 
 
 atexit.register(_stop_at_exit)
+
+
+def stop_at_exit(backend: Any) -> None:
+    """Have the exit stop `backend` too (it has `stopped`, `shutdown(timeout, at_exit=)`,
+    `cancelled_at_stop` and `callbacks_dropped`), and run that stop before every exit hook
+    registered so far. A Ray backend calls this after `import ray`, so that its replicas are let
+    go of before Ray's own hook shuts Ray down: after it, a session's release at exit called a
+    replica, which started a new local Ray instance in the exiting process (seconds, and at times
+    a segmentation fault)."""
+    _alive.add(backend)
+    atexit.unregister(_stop_at_exit)
+    atexit.register(_stop_at_exit)
 _service_ids = itertools.count()  # never reused: request ids stay unique within a shared engine
 
 

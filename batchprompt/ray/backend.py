@@ -37,6 +37,7 @@ log = logging.getLogger("batchprompt")
 #: Times an item may be lost with its replica before it fails alone (it may crash the engine).
 MAX_ATTEMPTS = 3
 SHUT_DOWN = "the Ray replicas were shut down (LanguageModel.close() or backend.shutdown())"
+SHUT_DOWN_AT_EXIT = "the Ray replicas were shut down as the Python interpreter exited (the script ended)"
 _block_ids = itertools.count()
 _backend_ids = itertools.count()
 
@@ -100,12 +101,15 @@ class RayBackend:
         self._sessions: set[str] = set()
         self._tally = Tally()
         self._stopping = False
+        self._cut_short = 0  # items answered 'abort' by a shutdown
         self._no_replica_since: float | None = None
         self._first_ready = threading.Event()
         self._slots = [Slot(i, h) for i, h in enumerate(handles)]
         self._callbacks = CallbackThread(f"batchprompt-callbacks-{self.name}")
         self._thread = threading.Thread(target=self._loop, name=f"batchprompt-dispatch-{self.name}", daemon=True)
         self._thread.start()
+        from ..api.service import stop_at_exit
+        stop_at_exit(self)  # ray is imported: the exit stops these replicas before Ray's own hook runs
         for slot in self._slots:
             self._probe(slot)
         try:
@@ -157,7 +161,7 @@ class RayBackend:
                 return
         while source.items:
             item = source.items.popleft()
-            answer(item, stopped_output(item, self.stop_reason, self.stop_reason == SHUT_DOWN))
+            answer(item, stopped_output(item, self.stop_reason, self._shut_down))
 
     def cancel(self, source: Source, on_pending: Callable[[Item], None]) -> Future:
         fut: Future = Future()
@@ -195,7 +199,7 @@ class RayBackend:
             self._sessions.discard(name)
             had = self._pins.pop(name, None) is not None
             slots = [s for s in self._slots if s.state == "ready"]
-        if had and not self._stopping:
+        if had and not self._stopping and _ray_up():  # a call with Ray down would start a new local Ray
             for s in slots:
                 try:
                     s.handle.unpin.remote(name)
@@ -236,14 +240,33 @@ class RayBackend:
                 setattr(out, f, getattr(out, f) + getattr(s, f))
         return out
 
-    def shutdown(self) -> None:
-        """Stop: every item still waiting or running is answered ('abort'), the actors end."""
+    @property
+    def _shut_down(self) -> bool:
+        """Stopped as asked (by a call, or at exit), not by a failure."""
+        return self.stop_reason in (SHUT_DOWN, SHUT_DOWN_AT_EXIT)
+
+    @property
+    def cancelled_at_stop(self) -> int:
+        """Items that a shutdown cut short (answered 'abort')."""
+        return self._cut_short
+
+    @property
+    def callbacks_dropped(self) -> int:
+        return self._callbacks.dropped
+
+    def shutdown(self, timeout: float | None = None, at_exit: bool = False) -> bool:
+        """Stop: every item still waiting or running is answered ('abort'), the actors end.
+        Returns once the dispatcher has ended (True), or after `timeout` seconds (False).
+        `at_exit`: the callbacks on the items it cuts short are not run (counted instead)."""
+        if at_exit:
+            self._callbacks.drop_cut()
         with self._cond:
             if not self._stopping:
-                self._stopping, self.stop_reason = True, SHUT_DOWN
+                self._stopping, self.stop_reason = True, SHUT_DOWN_AT_EXIT if at_exit else SHUT_DOWN
             self._cond.notify()
         if threading.current_thread() is not self._thread:
-            self._thread.join()
+            self._thread.join(timeout)
+        return not self._thread.is_alive() or threading.current_thread() is self._thread
 
     # ---- driver side, any thread -------------------------------------------------------------
     def _command(self, command: tuple, fut: Future) -> None:
@@ -549,22 +572,32 @@ class RayBackend:
                 from ..api.result import EngineStoppedError
                 if not event[-1].done():
                     event[-1].set_exception(EngineStoppedError(self.stop_reason))
+        shut_down = self._shut_down
         for block in running + retry:
             for item in block.items:
                 block.source.in_engine.pop(item.request_id, None)
-                answer(item, stopped_output(item, self.stop_reason, self.stop_reason == SHUT_DOWN))
+                self._cut_short += shut_down
+                answer(item, stopped_output(item, self.stop_reason, shut_down))
         for source in sources:
             source.cancelled = True
             while source.items:
                 item = source.items.popleft()
-                answer(item, stopped_output(item, self.stop_reason, self.stop_reason == SHUT_DOWN))
-        for s in self._slots:
+                self._cut_short += shut_down
+                answer(item, stopped_output(item, self.stop_reason, shut_down))
+        for s in self._slots if _ray_up() else ():  # Ray shut down under us: the actors went with it
             try:
                 ray.kill(s.handle, no_restart=True)
-            except Exception:  # noqa: BLE001  (already gone, or Ray shut down under us)
+            except Exception:  # noqa: BLE001  (already gone)
                 pass
         self._callbacks.close()
         self._on_shutdown()
+
+
+def _ray_up() -> bool:
+    """Ray is connected: calling a replica now neither fails nor starts a new local Ray (as a
+    call does once ray.shutdown() has run, e.g. at exit)."""
+    import ray
+    return ray.is_initialized()
 
 
 def _reason(e: Exception) -> str:
