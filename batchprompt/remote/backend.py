@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("batchprompt")
 
 SHUT_DOWN = "the endpoint pool was shut down (LanguageModel.close(), pool.close() or bp.shutdown())"
+SHUT_DOWN_AT_EXIT = "the endpoint pool was shut down as the Python interpreter exited (the script ended)"
 #: Tail hedging: once nothing is queued, an idle endpoint re-sends a sub-batch that has been in
 #: flight elsewhere for HEDGE_AFTER times the usual request time (of its size); the first answer wins and the
 #: other request is cancelled (its connection closed: the server aborts it), so a slow endpoint
@@ -72,6 +73,7 @@ class RemoteBackend:
         self.queue = WorkQueue()
         self.stop_reason: str | None = None
         self._stopping = False
+        self._cut_short = 0  # items answered 'abort' by a shutdown
         self._flying: set[SubBatch] = set()
         self._in_flight_items = 0
         self._ids = itertools.count()
@@ -91,6 +93,8 @@ class RemoteBackend:
         self._thread = threading.Thread(target=self._run_loop, args=(ready,), name=f"batchprompt-{self.name}", daemon=True)
         self._thread.start()
         ready.wait()
+        from ..api.service import stop_at_exit
+        stop_at_exit(self)
 
     # ---- the protocol's properties ------------------------------------------------------------
     @property
@@ -111,6 +115,20 @@ class RemoteBackend:
     @property
     def in_flight(self) -> int:
         return self._in_flight_items
+
+    @property
+    def _shut_down(self) -> bool:
+        """Stopped as asked (by a call, or at exit), not by a failure."""
+        return self.stop_reason in (SHUT_DOWN, SHUT_DOWN_AT_EXIT)
+
+    @property
+    def cancelled_at_stop(self) -> int:
+        """Items that a shutdown cut short (answered 'abort')."""
+        return self._cut_short
+
+    @property
+    def callbacks_dropped(self) -> int:
+        return self._callbacks.dropped
 
     @property
     def open_sessions(self) -> int:
@@ -142,7 +160,7 @@ class RemoteBackend:
             items.append(source.items.popleft())
         if not self._call_soon(self._add, source, items):
             for item in items:
-                answer(item, stopped_output(item, self.stop_reason, self.stop_reason == SHUT_DOWN))
+                answer(item, stopped_output(item, self.stop_reason, self._shut_down))
 
     def cancel(self, source: Source, on_pending: Callable[[Item], None]) -> Future:
         fut: Future = Future()
@@ -196,23 +214,31 @@ class RemoteBackend:
             raise EngineStoppedError(self.stop_reason)
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def shutdown(self) -> None:
-        """Stop: every item still waiting or in flight is answered ('abort'); the loop ends."""
+    def shutdown(self, timeout: float | None = None, at_exit: bool = False) -> bool:
+        """Stop: every item still waiting or in flight is answered ('abort'); the loop ends.
+        Returns once the loop and the callbacks have ended (True), or after `timeout` seconds
+        (60 when None; False). `at_exit`: the callbacks on the items it cuts short are not run
+        (counted instead)."""
+        if at_exit:
+            self._callbacks.drop_cut()
         with self._lock:
             if self._stopping:
                 first = False
             else:
-                self._stopping, self.stop_reason, first = True, SHUT_DOWN, True
+                self._stopping, first = True, True
+                self.stop_reason = SHUT_DOWN_AT_EXIT if at_exit else SHUT_DOWN
         if first:
             try:
                 asyncio.run_coroutine_threadsafe(self._close(), self.loop)
             except RuntimeError:  # the loop is already closed
                 pass
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=60)
-            if threading.current_thread() is not self._callbacks.thread:
-                self._callbacks.thread.join(timeout=60)
+        current = threading.current_thread()
+        deadline = time.monotonic() + (60 if timeout is None else timeout)
+        for thread in (self._thread, self._callbacks.thread):
+            if current is not thread:
+                thread.join(max(deadline - time.monotonic(), 0))
         self.pool._backend_stopped(self)
+        return not any(t.is_alive() and t is not current for t in (self._thread, self._callbacks.thread))
 
     def call_on_loop(self, fn: Callable, *args) -> bool:
         """Run `fn(*args)` on the pool's loop (False once stopped)."""
@@ -695,19 +721,26 @@ class RemoteBackend:
         if out.finish_reason != "abort":
             self._stats.finished += 1
             self._stats.failed += out.error is not None
+        elif self._stopping and self._shut_down:  # cut short by the stop (in flight, or not sent yet)
+            self._cut_short += 1
         answer(w.item, out)
 
     def _answer_all(self, reason: str | None) -> None:
         """The loop is ending: every work not answered yet is, now."""
+        shut_down = self._shut_down
+
+        def stop(w: Work) -> None:
+            self._answer(w, stopped_output(w.item, self.stop_reason, shut_down))
+
         delayed, self._delayed = list(self._delayed.values()), {}
         for works in delayed:
             for w in works:
-                self._answer(w, stopped_output(w.item, self.stop_reason, self.stop_reason == SHUT_DOWN))
+                stop(w)
         for w in self.queue.drain():
-            self._answer(w, stopped_output(w.item, self.stop_reason, self.stop_reason == SHUT_DOWN))
+            stop(w)
         for sb in list(self._flying):
             for w in sb.works:
-                self._answer(w, stopped_output(w.item, self.stop_reason, self.stop_reason == SHUT_DOWN))
+                stop(w)
         self._flying.clear()
         self._in_flight_items = 0
 
