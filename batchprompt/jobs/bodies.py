@@ -53,6 +53,12 @@ class _OpenAIBody(StrictBody):
     best_of: int | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
+    # OpenAI's fields that we ignore, still of OpenAI's types ("user": 5 was taken)
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class ChatRequest(_OpenAIBody):

@@ -20,12 +20,15 @@ def failed_choice(choices: Sequence[Result]) -> Result | None:
     return next((c for c in choices if c.error is not None and c.finish_reason != "length"), None)
 
 
-def failure_code(message: str) -> str:
-    """OpenAI's error code for a request the engine failed with this message: the engine's own
-    fault (a step that raised, an engine that stopped), a prompt too long, or the request's."""
+def failure_code(message: str, body: dict) -> str:
+    """OpenAI's error code for a request (`body`) the engine failed with this message: the
+    engine's own fault (a step that raised, an engine that stopped), a prompt too long, a value
+    of one of its fields (as the server's own checks code a bad value), or the request's."""
     if message.startswith(("the engine", "the model failed on this step")):
         return "engine_error"
-    return "context_length_exceeded" if "shorten the prompt" in message else "invalid_request"
+    if "shorten the prompt" in message:
+        return "context_length_exceeded"
+    return "invalid_parameter" if failure_param(message, body) else "invalid_request"
 
 
 def failure_param(message: str, body: dict) -> str | None:
@@ -202,7 +205,7 @@ def answer(row: Row, choices: Sequence[Result], model: str, created: int, token_
     note, rather than the request's own error."""
     failed = failed_choice(choices)
     if failed is not None:
-        code, message = failure_code(failed.error), f"line {row.line}: {failed.error}"
+        code, message = failure_code(failed.error, row.body), f"line {row.line}: {failed.error}"
         param = failure_param(failed.error, row.body)
         if rerun_note is not None and any(c.retryable for c in choices):
             code, message, param = "not_run", f"{message} ({rerun_note})", None

@@ -75,16 +75,17 @@ def _shown(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def check_context(ids: list[int], max_model_len: int, what: str, max_tokens: int | None) -> list[int]:
+def check_context(ids: list[int], max_model_len: int, what: str, max_tokens: int | None,
+                  field: str = "max_tokens") -> list[int]:
     """The prompt's ids, or Refused where the prompt (`what`: "the messages", "the prompt")
-    plus `max_tokens` (when the body asks for a number) does not fit the context."""
+    plus `max_tokens` (when the body asks for a number, in `field`) does not fit the context."""
     if len(ids) >= max_model_len:
         raise too_long(what, str(len(ids)), max_model_len)
     if max_tokens is not None and len(ids) + max_tokens > max_model_len:
         raise Refused(f"the context holds {max_model_len} tokens, but this request asks for "
-                      f"{len(ids) + max_tokens}: {len(ids)} in {what} and max_tokens {max_tokens}; lower "
-                      f"max_tokens to at most {max_model_len - len(ids)} or shorten the prompt",
-                      "context_length_exceeded", "max_tokens")
+                      f"{len(ids) + max_tokens}: {len(ids)} in {what} and {field} {max_tokens}; lower "
+                      f"{field} to at most {max_model_len - len(ids)} or shorten the prompt",
+                      "context_length_exceeded", field)
     return ids
 
 

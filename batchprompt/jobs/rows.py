@@ -383,6 +383,11 @@ def max_tokens_field(body: dict) -> Any:
     return given if given is not None else body.get("max_tokens")
 
 
+def max_tokens_name(body: dict) -> str:
+    """The field that `max_tokens_field` reads, for messages about it."""
+    return "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+
+
 def _check_counts(body: dict) -> tuple[str, str] | None:
     """(field, what is wrong) with the body's n or max_tokens, if anything. Checked here because
     0 must not fall back to the default. (Temperature, top_p, seed, ... are SamplingParams' to

@@ -27,7 +27,7 @@ from .ids import check_ids
 from .journal import Journal, record_json
 from .lock import JobLock
 from .live_rate import LiveRate
-from .rows import CHAT, COMPLETION, InputError, Row, RowError, Table, max_tokens_field, read_input
+from .rows import CHAT, COMPLETION, InputError, Row, RowError, Table, max_tokens_field, max_tokens_name, read_input
 from .storage import StorageError, write_atomic
 
 log = logging.getLogger("batchprompt")
@@ -597,7 +597,7 @@ class JobRun:
             # A max_tokens the row asks for must fit beside its prompt, as the server checks it;
             # the job's default is cut at the context's end instead.
             refusals.check_context(ids, service.max_model_len, "the messages" if row.url == CHAT else "the prompt",
-                                   refusals.asked_max_tokens(row.body, params))
+                                   refusals.asked_max_tokens(row.body, params), max_tokens_name(row.body))
             per_choice = [params if n == 1 or params.seed is None else
                           replace(params, seed=params.seed + choice) for choice in range(n)]
         except Exception as e:  # any failure to prepare one row fails that row alone

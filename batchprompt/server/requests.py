@@ -16,7 +16,7 @@ from typing import Any, Callable
 from ..api.batch import Prepared
 from ..jobs import rows as job_rows
 from ..jobs import openai_io, refusals
-from ..jobs.rows import CHAT, COMPLETION, Row, RowError
+from ..jobs.rows import CHAT, COMPLETION, Row, RowError, max_tokens_name
 from ..jobs.run import JobOptions, render, row_params, row_spec
 from .errors import ApiError
 
@@ -45,7 +45,7 @@ def plan_chat(body: dict, tokenizer, max_model_len: int) -> Plan:
     opts = JobOptions(input="-", output="-", max_tokens=max_model_len, temperature=TEMPERATURE)
     params, n, spec = _params(row, opts, tokenizer, max_model_len)
     ids = _checked(_render(row, tokenizer, max_model_len), max_model_len, "the messages",
-                   refusals.asked_max_tokens(body, params))
+                   refusals.asked_max_tokens(body, params), max_tokens_name(body))
     return Plan(rid, [row], n, _choices([ids], params, n, spec), openai_io.TokenPieces.of(tokenizer), tokenizer.decode)
 
 
@@ -63,7 +63,7 @@ def plan_completion(body: dict, tokenizer, max_model_len: int) -> Plan:
         row = replace(base, prompt=prompt if isinstance(prompt, str) else None)
         ids = _render(row, tokenizer, max_model_len, what) if isinstance(prompt, str) else list(prompt)
         rows.append(row)
-        all_ids.append(_checked(ids, max_model_len, what, params.max_tokens))
+        all_ids.append(_checked(ids, max_model_len, what, params.max_tokens, max_tokens_name(body)))
     return Plan(rid, rows, n, _choices(all_ids, params, n, spec), openai_io.TokenPieces.of(tokenizer), tokenizer.decode)
 
 
@@ -77,7 +77,7 @@ def plan_row(row: Row, tokenizer, max_model_len: int) -> list[Prepared]:
     params, n, spec = _params(row, opts, tokenizer, max_model_len)
     asked = refusals.asked_max_tokens(row.body, params) if row.url == CHAT else params.max_tokens
     ids = _checked(_render(row, tokenizer, max_model_len), max_model_len,
-                   "the messages" if row.url == CHAT else "the prompt", asked)
+                   "the messages" if row.url == CHAT else "the prompt", asked, max_tokens_name(row.body))
     return _choices([ids], params, n, spec)
 
 
@@ -147,10 +147,11 @@ def _render(row: Row, tokenizer, max_model_len: int, what: str = "") -> list[int
         raise ApiError(400, f"the prompt cannot be rendered: {type(e).__name__}: {e}", "invalid_prompt") from None
 
 
-def _checked(ids: list[int], max_model_len: int, what: str, max_tokens: int | None) -> list[int]:
-    """The prompt's ids, or a 400 where the prompt plus `max_tokens` (when asked for) does not fit."""
+def _checked(ids: list[int], max_model_len: int, what: str, max_tokens: int | None, field: str) -> list[int]:
+    """The prompt's ids, or a 400 where the prompt plus `max_tokens` (when asked for, in `field`)
+    does not fit."""
     with _refusal_as_400():
-        return refusals.check_context(ids, max_model_len, what, max_tokens)
+        return refusals.check_context(ids, max_model_len, what, max_tokens, field)
 
 
 def _choices(all_ids: list[list[int]], params, n: int, spec) -> list[Prepared]:

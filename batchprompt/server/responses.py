@@ -23,7 +23,7 @@ def failure(results: Sequence[Result], body: dict | None = None) -> ApiError | N
 
 def result_error(r: Result, body: dict | None = None) -> ApiError:
     message = r.error or "the request failed"
-    code = openai_io.failure_code(message)  # engine_error (the server's fault, a 500) or the request's
+    code = openai_io.failure_code(message, body or {})  # engine_error (the server's fault, a 500) or the request's
     return ApiError(openai_io.STATUS.get(code, 400), message, code, openai_io.failure_param(message, body or {}))
 
 

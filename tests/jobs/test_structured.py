@@ -128,8 +128,9 @@ def test_a_label_longer_than_the_context_is_told_to_be_shorter():
 @pytest.mark.slow
 def test_rows_are_answered_as_the_endpoint_answers_them(tmp_path):
     """A JSON schema cut by max_tokens is the partial text with finish_reason "length" (it was
-    the row's error), and token ids outside the vocabulary are an invalid_request (they were a
-    request_failed): as the server's endpoint answers both, and as OpenAI and vLLM do."""
+    the row's error), and token ids outside the vocabulary are an invalid_parameter (they were a
+    request_failed, then an invalid_request): as the server's endpoint answers both, and as
+    OpenAI and vLLM do."""
     rows = [t for _, t in sms_rows(2)]
     schema = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA}}
     lines = [chat_line(0, rows[0], max_tokens=3, temperature=0, response_format=schema),
@@ -144,8 +145,8 @@ def test_rows_are_answered_as_the_endpoint_answers_them(tmp_path):
     with pytest.raises(json.JSONDecodeError):
         json.loads(choice["message"]["content"])
     [e] = map(json.loads, open(f"{out}.errors.jsonl"))
-    assert e["custom_id"] == "sms-1" and e["error"]["code"] == "invalid_request", e
-    assert e["response"]["status_code"] == 400 and e["response"]["body"]["error"]["code"] == "invalid_request"
+    assert e["custom_id"] == "sms-1" and e["error"]["code"] == "invalid_parameter", e
+    assert e["response"]["status_code"] == 400 and e["response"]["body"]["error"]["code"] == "invalid_parameter"
     assert "outside the vocabulary" in e["error"]["message"] and e["error"]["message"].startswith("line 2: ")
 
 

@@ -113,7 +113,8 @@ def test_an_empty_output_or_error_file_is_not_named(client):
 def test_rows_are_answered_as_the_endpoint_answers_them(client):
     """A JSON schema cut by max_tokens: the partial text with finish_reason "length", in the row
     as from the endpoint (the row was an error). Token ids outside the vocabulary: the row's
-    code is the endpoint's invalid_request (it was request_failed)."""
+    code is the endpoint's invalid_parameter (it was request_failed, then invalid_request where
+    every other bad value is an invalid_parameter)."""
     schema = {"type": "json_schema", "json_schema": {"name": "v", "schema": {
         "type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"]}}}
     cut = dict(max_tokens=3, temperature=0, response_format=schema)
@@ -132,7 +133,8 @@ def test_rows_are_answered_as_the_endpoint_answers_them(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}],
                                        max_tokens=3, logit_bias={"99999999": 5})
-    assert err["custom_id"] == "vocab" and err["error"]["code"] == e.value.code == "invalid_request"
+    assert err["custom_id"] == "vocab" and err["error"]["code"] == e.value.code == "invalid_parameter"
+    assert err["response"]["body"]["error"]["param"] == e.value.param == "logit_bias"
     assert err["response"]["status_code"] == e.value.status_code == 400
     assert "outside the vocabulary" in err["error"]["message"]
 

@@ -282,6 +282,8 @@ def test_a_bad_value_names_its_field_in_param(server, field, value):
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 422, "invalid_type"),
     ({"messages": "hi", "max_tokens": "8"}, 422, "invalid_type"),
     ({"max_tokens": 8}, 422, "invalid_type"),
+    ({"messages": [{"role": "user", "content": "hi"}], "user": 5}, 422, "invalid_type"),  # was taken, ignored
+    ({"messages": [{"role": "user", "content": "hi"}], "metadata": {"a": 1}}, 422, "invalid_type"),
     ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"}, 404, "model_not_found"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "invalid_json"),  # was taken
 ])

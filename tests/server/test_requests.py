@@ -6,7 +6,8 @@ import pytest
 
 from batchprompt.remote.tokenizer import load_tokenizer
 from batchprompt.server.errors import ApiError
-from batchprompt.server.requests import plan_chat, plan_completion
+from batchprompt.jobs.rows import CHAT, Row
+from batchprompt.server.requests import plan_chat, plan_completion, plan_row
 
 M = [{"role": "user", "content": "hi"}]
 
@@ -53,6 +54,18 @@ def test_an_over_long_completion_prompt_names_prompt(tokenizer):
         plan_completion({"prompt": ["x", "hi " * 9000]}, tokenizer, 8192)
     assert (e.value.status, e.value.code, e.value.param) == (400, "context_length_exceeded", "prompt")
     assert e.value.message.startswith("prompt 1 has 9001 tokens")
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_max_tokens_beyond_the_context_names_the_field_given(tokenizer, field):
+    """max_completion_tokens too large was refused as "max_tokens 100000" with param max_tokens."""
+    with pytest.raises(ApiError) as e:
+        plan_chat({"messages": M, field: 100000}, tokenizer, 8192)
+    assert (e.value.code, e.value.param) == ("context_length_exceeded", field)
+    assert f"and {field} 100000; lower {field} to at most" in e.value.message, e.value.message
+    with pytest.raises(ApiError) as e:
+        plan_row(Row(1, "r", CHAT, messages=M, body={"messages": M, field: 100000}), tokenizer, 8192)
+    assert e.value.param == field, e.value.message
 
 
 def test_structured_outputs_json_object_asks_for_a_json_object(tokenizer):
