@@ -14,6 +14,7 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, Response
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from . import batch_files
@@ -37,6 +38,10 @@ async def upload(request: Request) -> dict:
         form = await request.form(max_files=1, max_fields=16)
     except ClientDisconnect:
         raise ApiError(CLIENT_GONE, "the client went away while sending the file", "client_disconnected") from None
+    except HTTPException as e:  # Starlette's multipart parser: two files, a broken body, a part too large
+        raise ApiError(e.status_code, f"the upload cannot be read as multipart/form-data: {e.detail} Send one file "
+                                      f"in a field named file, with purpose=batch (client.files.create(file=open(path, "
+                                      f"'rb'), purpose='batch'))", "invalid_multipart", "file") from None
     try:
         upload = form.get("file")
         if isinstance(upload, str):  # a part without a filename is a text field to multipart

@@ -256,6 +256,11 @@ def test_upload_errors(server, client):
         r = c.post("/v1/files", content=b"--x\r\nbroken", headers={"Content-Type": "multipart/form-data; boundary=x"})
         assert 400 <= r.status_code < 500, r.text
         error_of(r)
+        # Starlette's own refusals had code null and a bare message ("Too many files. ...")
+        r = c.post("/v1/files", files=[("file", ("a.jsonl", b"{}\n")), ("file", ("b.jsonl", b"{}\n"))],
+                   data={"purpose": "batch"})
+        assert r.status_code == 400 and (error_of(r)["code"], error_of(r)["param"]) == ("invalid_multipart", "file")
+        assert "Too many files" in error_of(r)["message"] and "Send one file" in error_of(r)["message"], r.text
 
 
 def test_lists_page_with_after_and_limit(client):
