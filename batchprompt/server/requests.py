@@ -9,6 +9,7 @@ defaults (temperature 1, max_tokens 16 for completions), and refusing fields it 
 from __future__ import annotations
 
 import contextlib
+import logging
 import uuid
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -24,6 +25,8 @@ from .errors import ApiError
 #: decode greedily instead; the server answers as the APIs it stands in for).
 COMPLETION_MAX_TOKENS = 16
 TEMPERATURE = 1.0
+log = logging.getLogger("batchprompt")
+_unknown_logged: set[str] = set()  # unknown body fields named in the log already (once each)
 
 @dataclass
 class Plan:
@@ -124,6 +127,11 @@ def _row(url: str, body: dict, rid: str) -> Row:
     if isinstance(row, RowError):
         message = row.message.removeprefix("line 1: ")
         raise ApiError(400, message, row.code, row.param or refusals.param_named(message, body))
+    new = sorted(set(row.unknown_fields) - _unknown_logged)
+    if new:  # ignored as vLLM ignores them, and named as it names them (here once each, not per request)
+        _unknown_logged.update(new)
+        log.warning("requests name fields that are neither used nor OpenAI/vLLM request fields; they are "
+                    "ignored: %s (each is named once)", ", ".join(new))
     return row
 
 

@@ -299,6 +299,17 @@ def test_chat_errors_in_openai_shape(server, body, status, code):
         assert error["code"] == code, error
 
 
+def test_unknown_fields_are_ignored_and_named_once_in_the_log(server):
+    """As vLLM: a field no API knows is ignored and named in the log (it was ignored silently,
+    while the Batch API's own endpoints refuse theirs, as OpenAI does)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "zz_unknown_b": 1, "zz_unknown_a": 2}
+    with server.client() as c:
+        for _ in range(2):
+            assert c.post("/v1/chat/completions", json=body).status_code == 200
+    log = server.output()
+    assert log.count("ignored: zz_unknown_a, zz_unknown_b (each is named once)") == 1, log[-3000:]
+
+
 def test_a_value_of_the_wrong_type_is_shown_in_the_message(server):
     # The message said "Input should be a valid number", not what was sent.
     with server.client() as c:
