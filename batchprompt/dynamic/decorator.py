@@ -93,6 +93,8 @@ class DynamicFunction:
         items = _as_list(items)
         if p.max_queue is not None and len(items) > p.max_queue:  # block_when_full waited for ever
             raise QueueFull(too_many_for_the_queue(p.name, len(items), p.max_queue))
+        if not items:  # no group to join: alone in its loop turn, it waited for a flush that never came
+            return []
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:

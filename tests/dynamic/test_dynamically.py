@@ -16,6 +16,18 @@ from batchprompt.dynamic import BatchSizeMismatch
 from .helpers import LIMIT_S, Recorder, in_function, outcome, queued, run_threads, wait_until
 
 
+@pytest.mark.parametrize("options", [{}, {"priority": 1}, {"timeout": 30}])
+def test_amany_of_no_items_returns_at_once(options):
+    """As many([]) does: it waited for ever (its loop turn's group held nothing, so nothing ran
+    it), or until its deadline, which it then missed."""
+    f = bp.dynamically(batch_size=4)(lambda xs: xs)
+
+    async def main():
+        return await asyncio.wait_for(f.amany([], **options), LIMIT_S)
+
+    assert asyncio.run(main()) == []
+
+
 def test_one_item_many_items_threads_and_asyncio():
     rec = Recorder()
     f = bp.dynamically(batch_size=16, timeout_ms=20)(rec)
