@@ -75,14 +75,16 @@ def _run(fn: Callable, args: tuple) -> None:
     try:
         fn(*args)
     except BaseException as e:  # noqa: BLE001  (even SystemExit: the thread serves every batch's waiters)
-        key = getattr(fn, "__code__", None) or type(fn)
+        # Per callback and kind of error: a callback's SystemExit after its ValueError went unsaid.
+        key = (getattr(fn, "__code__", None) or type(fn), type(e))
         count = _raised[key] = _raised.get(key, 0) + 1
         name = getattr(fn, "__qualname__", None) or repr(fn)
+        kind = type(e).__name__
         if count == 1:
-            log.exception("a batch callback (%s) raised; its further errors are counted, not printed", name)
+            log.exception("a batch callback (%s) raised %s; the batch goes on (its further %s errors are counted, "
+                          "not printed)", name, kind, kind)
         elif _is_power_of_ten(count):
-            log.error("a batch callback (%s) has raised %d times; the last: %s: %s", name, count,
-                      type(e).__name__, e)
+            log.error("a batch callback (%s) has raised %s %d times; the last: %s", name, kind, count, e)
 
 
 def _is_power_of_ten(n: int) -> bool:

@@ -121,6 +121,27 @@ def test_a_callback_that_raises_each_time_logs_one_traceback_then_counts(caplog)
             _run(broken, (0, [1]))
     records = [r for r in caplog.records if "broken" in r.getMessage()]
     assert len(records) == 3, [r.getMessage() for r in records]  # the first, then at 10 and 100
-    assert records[0].exc_info and "further errors are counted" in records[0].getMessage()
-    assert "has raised 10 times; the last: ValueError: bad token" in records[1].getMessage()
-    assert "has raised 100 times" in records[2].getMessage() and not records[2].exc_info
+    assert records[0].exc_info and "further ValueError errors are counted" in records[0].getMessage()
+    assert "has raised ValueError 10 times; the last: bad token" in records[1].getMessage()
+    assert "has raised ValueError 100 times" in records[2].getMessage() and not records[2].exc_info
+
+
+@pytest.mark.parametrize("stop", [SystemExit, KeyboardInterrupt])
+def test_a_callback_s_other_kind_of_error_is_logged_too(caplog, monkeypatch, stop):
+    """Only a callback's first error was printed: its SystemExit after a ValueError left no trace."""
+    import logging
+
+    from batchprompt.api import callbacks
+    from batchprompt.api.callbacks import _run
+
+    monkeypatch.setattr(callbacks, "_raised", {})  # each parameter's flaky is the same code
+
+    def flaky(index, result):
+        raise (ValueError("bad") if index == 0 else stop("leave"))
+
+    with caplog.at_level(logging.ERROR, logger="batchprompt"):
+        for index in (0, 0, 1):
+            _run(flaky, (index, None))
+    records = [r for r in caplog.records if "flaky" in r.getMessage()]
+    assert [r.getMessage().split(" raised ")[1].split(";")[0] for r in records] == ["ValueError", stop.__name__]
+    assert all(r.exc_info for r in records)
