@@ -183,17 +183,24 @@ def _read_table(raw: bytes, fmt: str, path: str, column: str | None = None):
         # an input error ended the command, aborted it (exit 134, "terminate called without an
         # active exception") in about 1 of 3 runs on a busy machine.
         if fmt == "parquet":
-            return pq.read_table(pa.BufferReader(raw), use_threads=False)
+            table = pq.read_table(pa.BufferReader(raw), use_threads=False)
+            _check_names(table.column_names, path)
+            return table
         delimiter = "\t" if path.endswith(".tsv") else ","
 
         def read(block_size: int | None = None):
             # Not checking UTF-8 here keeps text columns text (checked, pyarrow would turn a column
             # with one bad byte into binary); _replace_invalid_utf8 repairs them. pyarrow skips a BOM.
-            # The prompt column is text as written: a column of numbers ("42", "007") is prompts too.
-            types = {column: pa.string()} if column else {}
-            return pacsv.read_csv(pa.BufferReader(raw),
-                                  read_options=pacsv.ReadOptions(block_size=block_size, use_threads=False),
-                                  parse_options=pacsv.ParseOptions(delimiter=delimiter),
+            # Every column is text as written: the prompt column of numbers ("42", "007") is prompts
+            # too, and --format table gives the other columns back as they came (typed, zip code
+            # 00501 came back 501, 1.50 as 1.5, NA empty; and a column of numbers with a word
+            # after the first block failed the whole file).
+            read_options = pacsv.ReadOptions(block_size=block_size, use_threads=False)
+            parse_options = pacsv.ParseOptions(delimiter=delimiter)
+            names = _header(raw, block_size, parse_options)
+            _check_names(names, path)
+            types = {name: pa.string() for name in names}
+            return pacsv.read_csv(pa.BufferReader(raw), read_options=read_options, parse_options=parse_options,
                                   convert_options=pacsv.ConvertOptions(strings_can_be_null=False, check_utf8=False,
                                                                        column_types=types))
         try:
@@ -206,6 +213,35 @@ def _read_table(raw: bytes, fmt: str, path: str, column: str | None = None):
             return read(min(len(raw) + 1, 2**31 - 1))
     except (pa.ArrowInvalid, OSError) as e:
         raise InputError(f"{path}: cannot read it as {fmt}: {e}") from e
+
+
+def _header(raw: bytes, block_size: int | None, parse_options) -> list[str]:
+    """A CSV's column names: the header read alone, every row skipped. (Not open_csv: its
+    read-ahead thread brings back the abort that use_threads=False avoids.)"""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    def names(skip: int) -> list[str]:
+        return pacsv.read_csv(pa.BufferReader(raw), parse_options=parse_options,
+                              read_options=pacsv.ReadOptions(block_size=block_size, use_threads=False,
+                                                             skip_rows_after_names=skip),
+                              convert_options=pacsv.ConvertOptions(check_utf8=False)).column_names
+    try:
+        return names(2**31 - 1)
+    except pa.ArrowInvalid:  # skipping past the end of a file that is a header alone fails ("straddling")
+        return names(0)
+
+
+def _check_names(names: list[str], path: str) -> None:
+    """A header that names a column twice (two blank names, from a spreadsheet) is one error: it
+    failed later in pyarrow's words ('Field "" exists 2 times in schema')."""
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names, 1):
+        if name in seen:
+            shown = "no name" if not name.strip() else f"the name {name!r}"
+            raise InputError(f"{path}: columns {seen[name]} and {i} of the header have {shown}: give each column "
+                             f"a name of its own")
+        seen[name] = i
 
 
 def _replace_invalid_utf8(table):

@@ -418,6 +418,10 @@ class JobRun:
             raise InputError(f"--format must be 'openai' or 'table', got {opts.format!r}")
         if opts.format == "table":
             table_output_format(opts.output, table.format)  # a .jsonl output is refused here
+            taken = [name for name in TABLE_COLUMNS if name in table.table.column_names]
+            if taken:  # the output had two columns of that name
+                raise InputError(f"{opts.input} has a column named {taken[0]!r}, which --format table adds to the "
+                                 f"output: rename that column, or write OpenAI lines (--format openai)")
         errors_path = opts.errors or default_errors_path(opts.output)
         fp, settings, legacy_fp = fingerprint(table.raw, opts, table.rows)
         journal_path = opts.journal or (cache_dir() / "jobs" / f"{fp[:16]}.sqlite" if opts.output == "-"
@@ -749,7 +753,7 @@ class JobRun:
             for rec in err_lines:
                 print(rec, file=sys.stderr)
 
-    def _write_table(self, table: Table, journal: Journal) -> None:
+    def _write_table(self, table: Table, journal: Journal) -> None:  # its columns: TABLE_COLUMNS
         import pyarrow as pa
 
         # finish_reason tells an answer cut by max_tokens ("length": for a structured output, the
@@ -779,6 +783,10 @@ class JobRun:
             sys.stdout.buffer.flush()
         else:
             write_atomic(self.opts.output, write)
+
+
+#: The columns that --format table adds to the input's.
+TABLE_COLUMNS = ("result", "finish_reason", "error", "choice_probs")
 
 
 def table_output_format(output: str, input_format: str) -> str:

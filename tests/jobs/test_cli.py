@@ -48,6 +48,17 @@ def test_an_empty_input_is_refused_as_the_server_refuses_it(tmp_path, capsys):
         assert not out.exists() and not Path(f"{out}.journal").exists()
 
 
+def test_a_table_with_a_column_the_output_adds_is_refused_before_any_work(tmp_path, capsys):
+    """--format table wrote two columns named result (the input's and the answers')."""
+    inp = tmp_path / "in.csv"
+    inp.write_text("id,text,result\n1,hi,spam\n")
+    out = tmp_path / "out.csv"
+    assert main(["run", str(inp), "-o", str(out), "--column", "text", "--format", "table"]) == 2
+    assert (f"{inp} has a column named 'result', which --format table adds to the output: rename that column, or "
+            f"write OpenAI lines (--format openai)") in capsys.readouterr().err
+    assert not out.exists() and not Path(f"{out}.journal").exists()
+
+
 def parse_outputs(path: Path) -> list[dict]:
     out = [json.loads(line) for line in path.read_text().splitlines()]
     for o in out:
@@ -355,7 +366,7 @@ def test_csv_and_parquet_tables(tmp_path):
     assert all(isinstance(x, str) for x in result.column("result").to_pylist())
     assert set(result.column("finish_reason").to_pylist()) <= {"stop", "length"}
     csv_in = tmp_path / "in.csv"
-    csv_in.write_text("id,text\n1,Win a prize now\n2,\n")
+    csv_in.write_text("id,text\n007,Win a prize now\n1.50,\n")
     assert main(["run", str(csv_in), "-o", str(tmp_path / "o.jsonl"), "--column", "text",
                  "--max-tokens", "3", "--no-progress"]) == 1
     assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 1
@@ -365,6 +376,9 @@ def test_csv_and_parquet_tables(tmp_path):
     assert (tmp_path / "t.csv").read_text().splitlines()[0] == '"label","text","result","finish_reason","error"'
     assert main(["run", str(csv_in), "-o", str(tmp_path / "t.parquet"), *args]) == 1  # its empty row fails
     assert pq.read_table(tmp_path / "t.parquet").column_names == ["id", "text", "result", "finish_reason", "error"]
+    assert pq.read_table(tmp_path / "t.parquet").column("id").to_pylist() == ["007", "1.50"]  # were 7 and 1.5
+    assert main(["run", str(csv_in), "-o", str(tmp_path / "t2.csv"), *args]) == 1
+    assert [line.split(",")[0] for line in (tmp_path / "t2.csv").read_text().splitlines()[1:]] == ['"007"', '"1.50"']
     assert main(["run", str(csv_in), "-o", str(tmp_path / "t.jsonl"), *args]) == 2  # refused before any work
     assert not (tmp_path / "t.jsonl").exists()
 

@@ -186,6 +186,34 @@ def test_a_byte_order_mark_is_skipped(tmp_path):
     assert read_input(str(p), "text").rows[0].messages[0]["content"] == "hello"
 
 
+def test_every_csv_column_is_text_as_written(tmp_path):
+    """--format table gives the other columns back: they were typed by pyarrow's guess (zip
+    00501 came back 501, 1.50 as 1.5, FALSE as false, NA and NaN empty, a date with :00 added),
+    and a column of numbers with a word after the first read block failed the whole file."""
+    p = tmp_path / "t.csv"
+    p.write_text("zip,price,flag,note,when,text\n00501,1.50,FALSE,NA,2024-01-05 10:00,hi\n"
+                 "02134,2.0e3,true,NaN,,yo\n")
+    table = read_input(str(p), "text").table
+    assert table.to_pydict() == {"zip": ["00501", "02134"], "price": ["1.50", "2.0e3"], "flag": ["FALSE", "true"],
+                                 "note": ["NA", "NaN"], "when": ["2024-01-05 10:00", ""], "text": ["hi", "yo"]}
+    p.write_text("n,text\n" + "".join(f"{i},hello {i}\n" for i in range(200_000)) + "many,last\n")
+    rows = read_input(str(p), "text")
+    assert rows.table.column("n").to_pylist()[-1] == "many" and len(rows.rows) == 200_001
+
+
+@pytest.mark.parametrize("header, message", [
+    ("text,,", "columns 2 and 3 of the header have no name"),
+    ("a,a,text", "columns 1 and 2 of the header have the name 'a'"),
+    ("text,text", "columns 1 and 2 of the header have the name 'text'"),
+])
+def test_a_header_that_names_a_column_twice_is_one_error(tmp_path, header, message):
+    """It failed in pyarrow's words, with a traceback (KeyError: 'Field "" exists 2 times in schema')."""
+    p = tmp_path / "t.csv"
+    p.write_text(header + "\n" + ",".join(["hi"] * (header.count(",") + 1)) + "\n")
+    with pytest.raises(InputError, match=message + ": give each column a name of its own"):
+        read_input(str(p), "text")
+
+
 def test_a_csv_cell_larger_than_a_read_block_is_read(tmp_path):
     # A 2 MB cell stopped the whole job: "straddling object straddles two block boundaries".
     big = "hello world " * 175_000
