@@ -528,6 +528,8 @@ def stop_at_exit(backend: Any) -> None:
     _alive.add(backend)
     atexit.unregister(_stop_at_exit)
     atexit.register(_stop_at_exit)
+
+
 _service_ids = itertools.count()  # never reused: request ids stay unique within a shared engine
 
 
