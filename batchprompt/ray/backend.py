@@ -38,6 +38,8 @@ log = logging.getLogger("batchprompt")
 MAX_ATTEMPTS = 3
 SHUT_DOWN = "the Ray replicas were shut down (LanguageModel.close() or backend.shutdown())"
 SHUT_DOWN_AT_EXIT = "the Ray replicas were shut down as the Python interpreter exited (the script ended)"
+RAY_DOWN = ("Ray was shut down in this process (ray.shutdown()) while this ran; the finished rows are kept: "
+            "create the session again to run the rest")
 _block_ids = itertools.count()
 _backend_ids = itertools.count()
 
@@ -288,7 +290,8 @@ class RayBackend:
         ref.future().add_done_callback(lambda f: self._event(event + (f,)))
 
     def _probe(self, slot: Slot) -> None:
-        self._when_done(slot.handle.info.remote(), ("probe", slot, slot.incarnation))
+        if _ray_up():  # else the loop ends (RAY_DOWN): a call now would start a new local Ray
+            self._when_done(slot.handle.info.remote(), ("probe", slot, slot.incarnation))
 
     # ---- dispatcher thread -------------------------------------------------------------------
     def _loop(self) -> None:
@@ -296,10 +299,12 @@ class RayBackend:
         try:
             while True:
                 with self._cond:
-                    while not (self._events or self._stopping or self._can_send()):
+                    while not (self._events or self._stopping or self._can_send() or not _ray_up()):
                         self._cond.wait(1.0)
                         if self._check_recovery():
                             break
+                    if not self._stopping and not _ray_up():  # its blocks and events are answered in _end
+                        self._stopping, self.stop_reason = True, RAY_DOWN
                     if self._stopping:
                         break
                     events, self._events = self._events, []
@@ -341,6 +346,8 @@ class RayBackend:
 
     def _send(self) -> None:
         """Fill every ready replica up to blocks_in_flight (called holding the lock)."""
+        if not _ray_up():  # the loop ends next round (RAY_DOWN)
+            return
         ready = self._ready_slots()
         while True:
             room = [s for s in ready if len(s.blocks) < self.blocks_in_flight]
@@ -572,6 +579,8 @@ class RayBackend:
                 from ..api.result import EngineStoppedError
                 if not event[-1].done():
                     event[-1].set_exception(EngineStoppedError(self.stop_reason))
+            elif event[0] == "aborted":  # a cancelled block taken off the queue: its answer was to come next round
+                self._on_aborted(event[1])
         shut_down = self._shut_down
         for block in running + retry:
             for item in block.items:

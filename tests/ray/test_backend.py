@@ -271,3 +271,37 @@ def test_a_script_that_ends_while_its_batch_runs_on_ray_says_so(local_ray):
     assert ("the script ended with 8 prompts unfinished: cancelled, without the 8 calls of on_result and "
             "on_complete for them") in p.stderr, p.stderr[-3000:]
     assert "Started a local Ray instance" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
+
+
+RAY_SHUT_DOWN_MID_BATCH = """
+import sys, time
+import ray
+import batchprompt as bp
+lm = bp.LanguageModel.create(cluster=bp.RayCluster(address=sys.argv[1], replicas=1, replica_cpus=0.5, threads=1),
+                             max_tokens=24)
+batch = lm.create_batch([f"Write a story about a cat named {i}" for i in range(40)]).start()
+deadline = time.monotonic() + 120
+while batch.progress.done < 1 and time.monotonic() < deadline:
+    time.sleep(0.05)
+ray.shutdown()
+results = batch.wait(timeout=60)
+print("ANSWERED", sum(r is not None for r in results), sum(r.ok for r in results), flush=True)
+print("ERRORS", sorted({r.error for r in results if not r.ok}), flush=True)
+"""
+
+
+def test_ray_shut_down_under_a_running_batch_answers_every_prompt(local_ray):
+    """ray.shutdown() while a batch ran: the dispatcher called a replica, which started a new
+    local Ray, failed with a traceback, and left the rows it was handling unanswered (wait()
+    never returned; Ray's C++ ended the process a minute later)."""
+    import os
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", RAY_SHUT_DOWN_MID_BATCH, local_ray], capture_output=True, text=True,
+                       timeout=400, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert p.returncode == 0 and "ANSWERED 40 " in p.stdout, (p.returncode, p.stdout, p.stderr[-3000:])
+    ok = int(p.stdout.split("ANSWERED 40 ")[1].split()[0])
+    assert 1 <= ok < 40, p.stdout
+    assert "Ray was shut down in this process (ray.shutdown()) while this ran" in p.stdout, p.stdout
+    assert "Started a local Ray instance" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
