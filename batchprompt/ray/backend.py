@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import re
 import threading
 import time
 from collections import deque
@@ -609,10 +610,19 @@ def _ray_up() -> bool:
     return ray.is_initialized()
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)\b")  # "ValueError: ..."
+
+
 def _reason(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    # Ray's message is long; its first lines say what happened (and a failed __init__'s error).
-    return " ".join(line.strip() for line in text[:6] if line.strip())[:600]
+    """What Ray's long message says happened. A replica whose __init__ raised: its first line
+    (where) and the error it raised, the traceback's last line (the first 6 lines were where
+    and the traceback's top frames, never the cause: "no CUDA GPU is visible")."""
+    lines = [line.strip() for line in _ANSI.sub("", str(e)).strip().splitlines() if line.strip()]
+    raised = next((line for line in reversed(lines[1:]) if _RAISED.match(line)), None)
+    if raised is not None:
+        return f"{lines[0].split(' (pid=')[0]}: {raised}"[:600]
+    return " ".join(lines[:6])[:600]
 
 
 def _cluster_resources() -> str:

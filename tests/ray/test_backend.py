@@ -305,3 +305,22 @@ def test_ray_shut_down_under_a_running_batch_answers_every_prompt(local_ray):
     assert 1 <= ok < 40, p.stdout
     assert "Ray was shut down in this process (ray.shutdown()) while this ran" in p.stdout, p.stdout
     assert "Started a local Ray instance" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
+
+
+def test_a_replica_that_cannot_start_is_told_by_the_error_it_raised():
+    """The error named where the replica died and the traceback's top frames (6 lines), never
+    the cause ("no CUDA GPU is visible")."""
+    from batchprompt.ray.backend import _reason
+
+    message = ("The actor died because of an error raised in its creation task, \x1b[36mray::Replica.__init__()\x1b[39m "
+               "(pid=25785, ip=192.0.2.2, actor_id=37d6, repr=<batchprompt.ray.replica.Replica object at 0x7f>)\n"
+               '  File "/x/concurrent/futures/_base.py", line 456, in result\n    return self.__get_result()\n'
+               "           ^^^^^^^^^^^^^^^^^^^\n"
+               '  File "/x/concurrent/futures/_base.py", line 401, in __get_result\n    raise self._exception\n'
+               '  File "/x/batchprompt/device.py", line 40, in resolve\n    raise ValueError("no CUDA GPU")\n'
+               "ValueError: --device cuda: no CUDA GPU is visible to PyTorch")
+    assert _reason(RuntimeError(message)) == ("The actor died because of an error raised in its creation task, "
+                                              "ray::Replica.__init__(): ValueError: --device cuda: no CUDA GPU is "
+                                              "visible to PyTorch")
+    assert _reason(RuntimeError("The actor died unexpectedly before finishing this task.\n\tclass_name: Replica")) \
+        == "The actor died unexpectedly before finishing this task. class_name: Replica"
