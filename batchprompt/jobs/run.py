@@ -779,8 +779,8 @@ class JobRun:
             options = pacsv.WriteOptions(delimiter="\t" if self.opts.output.lower().endswith(".tsv") else ",")
             write = lambda f: pacsv.write_csv(out, f, options)  # noqa: E731
         if self.opts.output == "-":
-            write(sys.stdout.buffer)
-            sys.stdout.buffer.flush()
+            write(_stdout().buffer)
+            _stdout().buffer.flush()
         else:
             write_atomic(self.opts.output, write)
 
@@ -815,9 +815,10 @@ def _answer(line: dict) -> tuple[str, str]:
 def _write_lines(path: str, records) -> None:
     """Write JSON lines atomically (see storage.write_atomic), or to stdout for '-'."""
     if path == "-":
+        out = _stdout()
         for rec in records:
-            sys.stdout.write(rec + "\n")
-        sys.stdout.flush()
+            out.write(rec + "\n")
+        out.flush()
         return
 
     def fill(f) -> None:
@@ -878,4 +879,28 @@ def _lines_in(path: Path) -> int:
 
 
 def run_job(opts: JobOptions, out=None) -> JobSummary:
-    return JobRun(opts, out).run()
+    with _stdout_for_results_only(opts.output == "-"):
+        return JobRun(opts, out).run()
+
+
+_results_out = None  # the real stdout while _stdout_for_results_only holds it
+
+
+@contextlib.contextmanager
+def _stdout_for_results_only(active: bool):
+    """With -o -, stdout is the JSONL: anything else that prints to sys.stdout during the job
+    goes to stderr (Ray's replica logs, "(raylet) A worker died ...", were the first line of
+    the output). The writers write the results through `_stdout()`."""
+    global _results_out
+    if not active or _results_out is not None:
+        yield
+        return
+    _results_out, sys.stdout = sys.stdout, sys.stderr
+    try:
+        yield
+    finally:
+        sys.stdout, _results_out = _results_out, None
+
+
+def _stdout():
+    return _results_out or sys.stdout

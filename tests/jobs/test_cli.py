@@ -570,6 +570,30 @@ def test_stdin_to_stdout(tmp_path):
     assert "already complete" in again.stderr
 
 
+@pytest.mark.slow
+def test_with_output_to_stdout_nothing_else_prints_there(tmp_path, capsys, monkeypatch):
+    """With --ray, Ray's replica logs ("(raylet) A worker died ...") went to stdout, the first
+    line of the JSONL there. Here a print during the job stands in for them."""
+    from batchprompt.jobs import run as run_module
+
+    original = run_module.JobRun.run
+
+    def noisy(self):
+        print("(raylet) A worker died or was killed")
+        return original(self)
+
+    monkeypatch.setattr(run_module.JobRun, "run", noisy)
+    inp = tmp_path / "in.jsonl"
+    write_sms_batch(inp, 2)
+    assert main(["run", str(inp), "-o", "-", "--max-tokens", "2", "--no-progress",
+                 "--journal", str(tmp_path / "j.sqlite")]) == 0
+    out, err = capsys.readouterr()
+    assert [json.loads(line)["custom_id"] for line in out.splitlines()] == ["sms-0", "sms-1"], out
+    assert "(raylet) A worker died or was killed" in err
+    print("after")  # stdout is itself again
+    assert capsys.readouterr().out == "after\n"
+
+
 def test_rows_answer_as_the_server_answers_them(tmp_path):
     """n > 1 with a seed and a constraint ran each choice with params rebuilt through asdict,
     which failed every such row ("unhashable type: 'dict'"); stream_options without stream
