@@ -12,6 +12,7 @@ options while they run, so sessions and jobs on one cluster object share the rep
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import socket
 import threading
@@ -155,10 +156,15 @@ class RayCluster:
             ray.init(address=self.address, **options)
         except Exception as e:  # noqa: BLE001  (a wrong address, no cluster there, a version mismatch)
             where = f"the Ray cluster at {self.address}" if self.address else "a local Ray"
-            if (self.address or "").strip() == "auto":  # the hint below is what was given
+            if "ray[client]" in str(e):  # a ray:// address: Ray Client is an extra of its own
+                hint = "pip install 'ray[client]' for a ray:// address, or give the head's host:port"
+            elif (self.address or "").strip() == "auto":  # the hint below is what was given
                 hint = "no cluster runs here: run `ray start --head` first, or leave out --address for a local Ray"
             else:
                 hint = "give --address auto for the cluster `ray start` runs on this machine, or the head's host:port"
+                if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":  # Ray's log says InvalidAuthToken
+                    hint += ("; a cluster that `ray start` began checks a token: set RAY_AUTH_MODE=token here, with "
+                             "the head's ~/.ray/auth_token on this machine")
             raise ClusterError(f"cannot connect to {where}: {type(e).__name__}: {str(e).strip()[:300]} "
                                f"({hint})") from e
         finally:

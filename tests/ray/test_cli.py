@@ -143,3 +143,13 @@ def test_an_address_where_no_ray_listens_is_an_error_not_a_hang(job, tmp_path, a
     assert f"cannot reach the Ray cluster at {address}" in err and "ray start --head" in err, err
     assert "Traceback" not in err
 
+
+
+def test_a_head_that_checks_a_token_is_named_in_the_hint(local_ray, job, tmp_path, monkeypatch):
+    """A cluster begun with token authentication (`ray start --head`, or a local Ray here) and a
+    driver without RAY_AUTH_MODE=token: the error's only hint was "give --address auto ..."."""
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)  # the fixture's ray.init set it for its children
+    p = batchprompt(job, "-o", str(tmp_path / "o.jsonl"), "--ray", "--address", local_ray)
+    err = stderr_of(p, 180)
+    assert p.returncode == 2, err
+    assert "set RAY_AUTH_MODE=token here, with the head's ~/.ray/auth_token on this machine" in err, err[-3000:]
