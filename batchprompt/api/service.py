@@ -610,9 +610,12 @@ def shutdown(model: str | LLMEngine | None = None, timeout: float | None = None)
     weights and KV cache are freed unless you hold the engine yourself; sessions on them raise
     EngineStoppedError; the next call builds a fresh engine. Returns how many were released.
     `timeout`: wait at most this long in all for their threads (an engine thread stuck in a
-    step is then left to end after it, logged); by default, wait until they end."""
+    step is then left to end after it, logged); by default, wait until they end. With
+    model=None, the Ray replicas and endpoint pools that sessions run on are let go of too."""
     with _services_lock:
         services = list(dict.fromkeys(_services.values()))
+    if model is None:  # backends of a RayCluster or an EndpointPool (it let their replicas run on)
+        services += [b for b in list(_alive) if not isinstance(b, EngineService) and not b.stopped]
     if model is not None:
         if isinstance(model, LLMEngine):
             services = [s for s in services if s._engine is model]

@@ -324,3 +324,17 @@ def test_a_replica_that_cannot_start_is_told_by_the_error_it_raised():
                                               "visible to PyTorch")
     assert _reason(RuntimeError("The actor died unexpectedly before finishing this task.\n\tclass_name: Replica")) \
         == "The actor died unexpectedly before finishing this task. class_name: Replica"
+
+
+def test_bp_shutdown_lets_go_of_the_ray_replicas_too(local_ray):
+    """The README says bp.shutdown() releases every engine in the process: it released the local
+    ones only, and the replicas ran on (cluster.backends still listed them)."""
+    from batchprompt.api.result import EngineStoppedError
+
+    cluster = bp.RayCluster(replicas=1, replica_cpus=0.5, threads=1)
+    lm = bp.LanguageModel.create(cluster=cluster, dtype="float32", max_tokens=2)
+    assert lm.prompt("hi") and len(cluster.backends) == 1
+    assert bp.shutdown(timeout=60) >= 1
+    assert cluster.backends == []
+    with pytest.raises(EngineStoppedError):
+        lm.prompt("hi")

@@ -160,6 +160,19 @@ def test_cancel_answers_every_prompt(two_servers):
         assert any(r.finish_reason == "cancelled" for r in results)
 
 
+def test_bp_shutdown_lets_go_of_a_pool_too(two_servers):
+    """Its error said "pool.close() or bp.shutdown()", and bp.shutdown() released local engines only."""
+    from batchprompt.api.result import EngineStoppedError
+
+    with pool_of([two_servers[0].url]) as pool:
+        lm = bp.LanguageModel.create(model=pool, max_tokens=2)
+        assert lm.prompt("hi")
+        assert bp.shutdown(timeout=60) >= 1
+        with pytest.raises(EngineStoppedError, match="the endpoint pool was shut down"):
+            lm.prompt("hi")
+        assert bp.LanguageModel.create(model=pool, max_tokens=2).prompt("hi")  # a new session starts it again
+
+
 EXIT_WITH_A_BATCH_RUNNING = """
 import sys, time
 import batchprompt as bp
