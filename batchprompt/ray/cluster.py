@@ -35,6 +35,22 @@ def ray_available() -> bool:
         return False
 
 
+def _address_ray_finds() -> tuple[str, str] | None:
+    """(address, where it comes from) of the cluster that ray.init(address=None or "auto") joins:
+    RAY_ADDRESS, else the one `ray start` recorded; None where it would start a local Ray."""
+    env = os.environ.get("RAY_ADDRESS", "").strip()
+    if env == "local":
+        return None
+    if env and env != "auto":
+        return env, "RAY_ADDRESS in the environment"
+    try:
+        from ray._private.services import find_bootstrap_address  # Ray's own look-up (private: may move)
+        found = find_bootstrap_address(None)
+    except Exception:  # noqa: BLE001  (another Ray version: Ray looks for itself, as before)
+        return None
+    return (found, "the cluster that `ray start` recorded on this machine") if found else None
+
+
 @dataclasses.dataclass
 class RayCluster:
     """Engine replicas as Ray actors.
@@ -175,8 +191,17 @@ class RayCluster:
         """A head at host:port (or ray://host:port) that does not answer: an error now. (Ray's
         own connect retries for ever, printing only its C++ log, when nothing listens there.)"""
         address = (self.address or "").strip()
-        if not address or address in ("auto", "local"):
+        hint = ("is `ray start --head` running there? give the head's host:port, or --address auto for the cluster "
+                "`ray start` runs on this machine")
+        if address == "local":
             return
+        if not address or address == "auto":  # where Ray itself looks: it waited for ever on a stale one
+            found = _address_ray_finds()
+            if found is None:
+                return
+            address, source = found
+            fix = "unset or fix RAY_ADDRESS" if source.startswith("RAY_ADDRESS") else "`ray stop` forgets it"
+            hint = f"the address is {source}: {fix}, or give --address local for a new local Ray"
         hostport = address.split("://", 1)[1] if "://" in address else address
         host, sep, port = hostport.rstrip("/").rpartition(":")
         if not sep or not port.isdigit():
@@ -185,9 +210,7 @@ class RayCluster:
         try:
             socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
         except OSError as e:
-            raise ClusterError(f"cannot reach the Ray cluster at {address}: {e.strerror or e} (is `ray start --head` "
-                               f"running there? give the head's host:port, or --address auto for the cluster "
-                               f"`ray start` runs on this machine)") from None
+            raise ClusterError(f"cannot reach the Ray cluster at {address}: {e.strerror or e} ({hint})") from None
 
     def _check_resources(self) -> None:
         """Replicas that no node of the cluster can hold (more CPUs or GPUs than any node has):

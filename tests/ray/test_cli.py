@@ -153,3 +153,29 @@ def test_a_head_that_checks_a_token_is_named_in_the_hint(local_ray, job, tmp_pat
     err = stderr_of(p, 180)
     assert p.returncode == 2, err
     assert "set RAY_AUTH_MODE=token here, with the head's ~/.ray/auth_token on this machine" in err, err[-3000:]
+
+
+@pytest.mark.parametrize("address", [[], ["--address", "auto"]])
+def test_a_ray_address_in_the_environment_where_nothing_listens_is_an_error_not_a_hang(job, tmp_path, monkeypatch,
+                                                                                      address):
+    """RAY_ADDRESS (or the cluster `ray start` recorded, since stopped) where nothing listens: Ray
+    retried for ever (still running at 290 s, and SIGTERM did not end it)."""
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    p = batchprompt(job, "-o", str(tmp_path / "o.jsonl"), "--ray", *address)
+    err = stderr_of(p, 120)
+    assert p.returncode == 2, err
+    assert ("cannot reach the Ray cluster at 127.0.0.1:1" in err and "the address is RAY_ADDRESS in the environment: "
+            "unset or fix RAY_ADDRESS, or give --address local for a new local Ray" in err), err
+
+
+def test_a_stopped_cluster_that_ray_start_recorded_is_an_error_not_a_hang(job, tmp_path, monkeypatch):
+    """`ray start`'s head killed, its address file left: --ray (and --address auto) waited for ever."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # where Ray looks: RAY_TMPDIR/ray/ray_current_cluster
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")
+    p = batchprompt(job, "-o", str(tmp_path / "o.jsonl"), "--ray")
+    err = stderr_of(p, 120)
+    assert p.returncode == 2, err
+    assert ("cannot reach the Ray cluster at 127.0.0.1:1" in err and "the address is the cluster that `ray start` "
+            "recorded on this machine: `ray stop` forgets it, or give --address local" in err), err
