@@ -188,7 +188,7 @@ def _read_table(raw: bytes, fmt: str, path: str, column: str | None = None):
             parquet = pq.ParquetFile(pa.BufferReader(raw), pre_buffer=False)
             _check_names(parquet.schema_arrow.names, path)
             return parquet.read(use_threads=False)
-        delimiter = "\t" if path.endswith(".tsv") else ","
+        delimiter = "\t" if path.lower().endswith(".tsv") else ","
 
         def read(block_size: int | None = None):
             # Not checking UTF-8 here keeps text columns text (checked, pyarrow would turn a column

@@ -417,8 +417,11 @@ class JobRun:
         if opts.format not in ("openai", "table"):
             raise InputError(f"--format must be 'openai' or 'table', got {opts.format!r}")
         if opts.format == "table":
-            table_output_format(opts.output, table.format)  # a .jsonl output is refused here
-            taken = [name for name in TABLE_COLUMNS if name in table.table.column_names]
+            if table_output_format(opts.output, table.format) == "csv" and (bad := _unwritable_as_csv(table.table)):
+                raise InputError(f"{opts.input}: column {bad} cannot be written to a CSV table: name the output "
+                                 f".parquet, or write OpenAI lines (--format openai)")
+            added = TABLE_COLUMNS if opts.structured.get("choice_mode") == "score" else TABLE_COLUMNS[:3]
+            taken = [name for name in added if name in table.table.column_names]
             if taken:  # the output had two columns of that name
                 raise InputError(f"{opts.input} has a column named {taken[0]!r}, which --format table adds to the "
                                  f"output: rename that column, or write OpenAI lines (--format openai)")
@@ -776,7 +779,7 @@ class JobRun:
             write = lambda f: pq.write_table(out, f)  # noqa: E731
         else:
             import pyarrow.csv as pacsv
-            options = pacsv.WriteOptions(delimiter="\t" if self.opts.output.lower().endswith(".tsv") else ",")
+            options = pacsv.WriteOptions(delimiter=_table_delimiter(self.opts.output, self.opts.input))
             write = lambda f: pacsv.write_csv(out, f, options)  # noqa: E731
         if self.opts.output == "-":
             write(_stdout().buffer)
@@ -785,7 +788,7 @@ class JobRun:
             write_atomic(self.opts.output, write)
 
 
-#: The columns that --format table adds to the input's.
+#: The columns that --format table adds to the input's (choice_probs: with --choice-mode score).
 TABLE_COLUMNS = ("result", "finish_reason", "error", "choice_probs")
 
 
@@ -802,6 +805,27 @@ def table_output_format(output: str, input_format: str) -> str:
         raise InputError(f"{output}: --format table writes a table: name the output .csv or .parquet "
                          f"(or leave out --format table for OpenAI's JSONL)")
     return input_format
+
+
+def _table_delimiter(output: str, input_path: str) -> str:
+    """A tab where the output's name says .tsv, or says neither .csv nor .tsv and the input was a
+    TSV (it wrote commas to stdout and to out.txt for a TSV input)."""
+    name = output.lower()
+    tsv = name.endswith(".tsv") or (not name.endswith(".csv") and input_path.lower().endswith(".tsv"))
+    return "\t" if tsv else ","
+
+
+def _unwritable_as_csv(table) -> str | None:
+    """The first column a CSV cannot hold (a Parquet input's lists, structs, maps, binary data),
+    as "'name' (type)"; the table was written only at the end, and failed there every time."""
+    import pyarrow as pa
+
+    for field in table.schema:
+        t = field.type.value_type if pa.types.is_dictionary(field.type) else field.type
+        if pa.types.is_nested(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t) \
+                or pa.types.is_fixed_size_binary(t):
+            return f"{field.name!r} ({field.type})"
+    return None
 
 
 def _answer(line: dict) -> tuple[str, str]:

@@ -59,6 +59,30 @@ def test_a_table_with_a_column_the_output_adds_is_refused_before_any_work(tmp_pa
     assert not out.exists() and not Path(f"{out}.journal").exists()
 
 
+def test_a_parquet_column_a_csv_cannot_hold_is_refused_before_any_work(tmp_path, capsys):
+    """A list column ran every row, then failed the CSV write with pyarrow's traceback, exit 1,
+    and the same again on every run: the output could never be written."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"text": ["hi", "yo"], "tags": [[1, 2], []]}), inp)
+    out = tmp_path / "out.csv"
+    assert main(["run", str(inp), "-o", str(out), "--column", "text", "--format", "table"]) == 2
+    assert (f"{inp}: column 'tags' (list<element: int64>) cannot be written to a CSV table: name the output "
+            f".parquet") in capsys.readouterr().err
+    assert not out.exists() and not Path(f"{out}.journal").exists()
+
+
+def test_table_output_delimiters():
+    """A TSV input's table went to stdout or out.txt with commas; IN.TSV was read with commas."""
+    from batchprompt.jobs.run import _table_delimiter
+
+    assert _table_delimiter("-", "in.tsv") == _table_delimiter("out.txt", "IN.TSV") == "\t"
+    assert _table_delimiter("out.TSV", "in.csv") == "\t"
+    assert _table_delimiter("out.csv", "in.tsv") == _table_delimiter("-", "in.csv") == ","
+
+
 def parse_outputs(path: Path) -> list[dict]:
     out = [json.loads(line) for line in path.read_text().splitlines()]
     for o in out:

@@ -214,6 +214,12 @@ def test_a_header_that_names_a_column_twice_is_one_error(tmp_path, header, messa
         read_input(str(p), "text")
 
 
+def test_an_upper_case_tsv_is_read_with_tabs(tmp_path):
+    p = tmp_path / "IN.TSV"
+    p.write_text("text\tzip\nhi\t007\n")
+    assert read_input(str(p), "text").table.to_pydict() == {"text": ["hi"], "zip": ["007"]}
+
+
 def test_a_csv_cell_larger_than_a_read_block_is_read(tmp_path):
     # A 2 MB cell stopped the whole job: "straddling object straddles two block boundaries".
     big = "hello world " * 175_000
