@@ -338,3 +338,17 @@ def test_bp_shutdown_lets_go_of_the_ray_replicas_too(local_ray):
     assert cluster.backends == []
     with pytest.raises(EngineStoppedError):
         lm.prompt("hi")
+
+
+def test_more_replicas_than_the_cluster_holds_at_once_are_told(local_ray, caplog):
+    """--replicas 4 of 1 CPU on a 2-CPU cluster started without a word: 2 ran, 2 waited."""
+    import logging
+
+    cluster = bp.RayCluster(replicas=3, replica_cpus=1.0, threads=1)
+    with caplog.at_level(logging.WARNING, logger="batchprompt"):
+        lm = bp.LanguageModel.create(cluster=cluster, dtype="float32", max_tokens=2)
+    try:
+        assert "the Ray cluster holds 2 of the 3 replicas asked for at once" in caplog.text, caplog.text
+    finally:
+        lm.close()
+        cluster.shutdown()
