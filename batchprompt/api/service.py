@@ -31,7 +31,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from ..backends.base import Item, Source, answer, stopped_output  # noqa: F401  (the seam's types, imported from here too)
+from ..backends.base import Item, Source, StopCounts, answer, stopped_output  # noqa: F401  (the seam's types, imported from here too)
 from ..device import prepare_engine_thread
 from ..engine import EngineConfig, EngineStats, LLMEngine, RequestOutput, SamplingParams
 from ..engine.config import EngineConfigError
@@ -47,8 +47,10 @@ SHUT_DOWN_AT_EXIT = "the engine was shut down as the Python interpreter exited (
 MADE_EVERY_S = 1.0  # how often the sources' tokens made so far are counted (Source.made)
 
 
-class EngineService:
+class EngineService(StopCounts):
     """The local backend (see backends/base.py): one engine in this process."""
+
+    SHUT_DOWN_REASONS = (SHUT_DOWN, SHUT_DOWN_AT_EXIT)
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], name: str = "model", lookahead_s: float = 2.0):
         """`engine`: an engine, or a function that builds one. The service calls that function
@@ -203,20 +205,6 @@ class EngineService:
     @property
     def open_sessions(self) -> int:
         return len(self._sessions)
-
-    @property
-    def _shut_down(self) -> bool:
-        """Stopped as asked (by a call, or at exit), not by a failure."""
-        return self.stop_reason in (SHUT_DOWN, SHUT_DOWN_AT_EXIT)
-
-    @property
-    def callbacks_dropped(self) -> int:
-        return self._callbacks.dropped
-
-    @property
-    def cancelled_at_stop(self) -> int:
-        """Prompts that the stop cut short (answered 'cancelled' when the loop ended)."""
-        return self._cut_short
 
     @property
     def in_flight(self) -> int:

@@ -66,6 +66,32 @@ class Source:
     made: int = 0
 
 
+class StopCounts:
+    """What a backend's stop says (mixed into the local, Ray and pool backends): whether it was
+    shut down as asked (`SHUT_DOWN_REASONS`: by a call, or at exit) rather than by a failure,
+    and, for the exit's warning (api/service.py `_stop_at_exit`), how many prompts the stop cut
+    short and how many of their callbacks it dropped. The backend sets `stop_reason`, counts
+    `_cut_short` and holds its CallbackThread in `_callbacks`."""
+
+    SHUT_DOWN_REASONS: tuple[str, ...] = ()
+    stop_reason: str | None
+    _cut_short: int
+    _callbacks: Any
+
+    @property
+    def _shut_down(self) -> bool:
+        return self.stop_reason in self.SHUT_DOWN_REASONS
+
+    @property
+    def cancelled_at_stop(self) -> int:
+        """Prompts that the stop cut short (answered 'cancelled' or 'abort')."""
+        return self._cut_short
+
+    @property
+    def callbacks_dropped(self) -> int:
+        return self._callbacks.dropped
+
+
 @runtime_checkable
 class Backend(Protocol):
     """What runs prompts. `api.service.EngineService` is the local one."""

@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from ..api.callbacks import CallbackThread
-from ..backends.base import Item, Source, answer, stopped_output
+from ..backends.base import Item, Source, StopCounts, answer, stopped_output
 from ..engine import EngineStats, RequestOutput, SamplingParams
 from .blocks import block_size, cut
 from .replica import ReplicaInfo
@@ -80,8 +80,10 @@ class Tally:
     failed: int = 0
 
 
-class RayBackend:
+class RayBackend(StopCounts):
     """Built by `RayCluster.as_backend`; see the module's docstring."""
+
+    SHUT_DOWN_REASONS = (SHUT_DOWN, SHUT_DOWN_AT_EXIT)
 
     def __init__(self, handles: list, tokenizer_loader: Callable[[ReplicaInfo], Any], *, blocks_in_flight: int,
                  block_rows: int, start_timeout_s: float, recover_timeout_s: float, on_shutdown: Callable[[], None]):
@@ -242,20 +244,6 @@ class RayBackend:
                       "kv_blocks_used", "kv_blocks_total", "kv_bytes"):
                 setattr(out, f, getattr(out, f) + getattr(s, f))
         return out
-
-    @property
-    def _shut_down(self) -> bool:
-        """Stopped as asked (by a call, or at exit), not by a failure."""
-        return self.stop_reason in (SHUT_DOWN, SHUT_DOWN_AT_EXIT)
-
-    @property
-    def cancelled_at_stop(self) -> int:
-        """Items that a shutdown cut short (answered 'abort')."""
-        return self._cut_short
-
-    @property
-    def callbacks_dropped(self) -> int:
-        return self._callbacks.dropped
 
     def shutdown(self, timeout: float | None = None, at_exit: bool = False) -> bool:
         """Stop: every item still waiting or running is answered ('abort'), the actors end.

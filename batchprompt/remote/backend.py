@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..api.callbacks import CallbackThread
 from ..api.result import EngineStoppedError
-from ..backends.base import Item, Source, answer, stopped_output
+from ..backends.base import Item, Source, StopCounts, answer, stopped_output
 from ..engine import EngineStats, RequestOutput
 from . import wire
 from .endpoint import Endpoint, backoff
@@ -59,8 +59,10 @@ HEDGE_AFTER = 1.25
 PROBE_MIN_S, PROBE_MAX_S = 0.5, 10.0
 
 
-class RemoteBackend:
+class RemoteBackend(StopCounts):
     """The remote backend (see backends/base.py): a pool of OpenAI-compatible endpoints."""
+
+    SHUT_DOWN_REASONS = (SHUT_DOWN, SHUT_DOWN_AT_EXIT)
 
     def __init__(self, pool: "EndpointPool", endpoints: list[Endpoint], model: str, tokenizer, max_model_len: int | None):
         self.pool = pool
@@ -115,20 +117,6 @@ class RemoteBackend:
     @property
     def in_flight(self) -> int:
         return self._in_flight_items
-
-    @property
-    def _shut_down(self) -> bool:
-        """Stopped as asked (by a call, or at exit), not by a failure."""
-        return self.stop_reason in (SHUT_DOWN, SHUT_DOWN_AT_EXIT)
-
-    @property
-    def cancelled_at_stop(self) -> int:
-        """Items that a shutdown cut short (answered 'abort')."""
-        return self._cut_short
-
-    @property
-    def callbacks_dropped(self) -> int:
-        return self._callbacks.dropped
 
     @property
     def open_sessions(self) -> int:
