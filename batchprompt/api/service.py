@@ -31,7 +31,8 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from ..backends.base import Item, Source, StopCounts, answer, stopped_output  # noqa: F401  (the seam's types, imported from here too)
+# noqa F401: the seam's types, imported from here too
+from ..backends.base import Item, Source, StopCounts, answer, stopped_output  # noqa: F401
 from ..device import prepare_engine_thread
 from ..engine import EngineConfig, EngineStats, LLMEngine, RequestOutput, SamplingParams
 from ..engine.config import EngineConfigError
