@@ -416,6 +416,11 @@ class JobRun:
             raise InputError("--format table applies to CSV and Parquet input; JSONL input gives OpenAI lines")
         if opts.format not in ("openai", "table"):
             raise InputError(f"--format must be 'openai' or 'table', got {opts.format!r}")
+        if opts.format == "openai" and opts.output.lower().endswith((".csv", ".tsv", ".parquet")):
+            # as --format table refuses a .jsonl output: OpenAI's JSONL went into out.csv
+            hint = "add --format table for a table" if table.format != "jsonl" else "a table needs CSV or Parquet input"
+            raise InputError(f"{opts.output}: the output is OpenAI's JSONL (--format openai): name it .jsonl, or "
+                             f"{hint}")
         if opts.format == "table":
             if table_output_format(opts.output, table.format) == "csv" and (bad := _unwritable_as_csv(table.table)):
                 raise InputError(f"{opts.input}: column {bad} cannot be written to a CSV table: name the output "

@@ -74,6 +74,17 @@ def test_a_parquet_column_a_csv_cannot_hold_is_refused_before_any_work(tmp_path,
     assert not out.exists() and not Path(f"{out}.journal").exists()
 
 
+def test_jsonl_output_named_as_a_table_is_refused_before_any_work(tmp_path, capsys):
+    """-o out.csv without --format table wrote OpenAI's JSONL into out.csv."""
+    inp = tmp_path / "in.csv"
+    inp.write_text("text\nhi\n")
+    out = tmp_path / "out.csv"
+    assert main(["run", str(inp), "-o", str(out), "--column", "text"]) == 2
+    assert (f"{out}: the output is OpenAI's JSONL (--format openai): name it .jsonl, or add --format table for a "
+            f"table") in capsys.readouterr().err
+    assert not out.exists() and not Path(f"{out}.journal").exists()
+
+
 def test_table_output_delimiters():
     """A TSV input's table went to stdout or out.txt with commas; IN.TSV was read with commas."""
     from batchprompt.jobs.run import _table_delimiter
