@@ -220,13 +220,15 @@ class RemoteBackend(StopCounts):
                 asyncio.run_coroutine_threadsafe(self._close(), self.loop)
             except RuntimeError:  # the loop is already closed
                 pass
+        # Not from the loop's own thread: it closes the callbacks' thread once it has ended.
         current = threading.current_thread()
+        own = (self._thread, self._callbacks.thread)
+        waited = [] if current is self._thread else [t for t in own if t is not current]
         deadline = time.monotonic() + (60 if timeout is None else timeout)
-        for thread in (self._thread, self._callbacks.thread):
-            if current is not thread:
-                thread.join(max(deadline - time.monotonic(), 0))
+        for thread in waited:
+            thread.join(max(deadline - time.monotonic(), 0))
         self.pool._backend_stopped(self)
-        return not any(t.is_alive() and t is not current for t in (self._thread, self._callbacks.thread))
+        return not any(t.is_alive() for t in waited)
 
     def call_on_loop(self, fn: Callable, *args) -> bool:
         """Run `fn(*args)` on the pool's loop (False once stopped)."""
