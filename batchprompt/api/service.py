@@ -605,7 +605,7 @@ def shutdown(model: str | LLMEngine | None = None, timeout: float | None = None)
         services = list(dict.fromkeys(_services.values()))
     if model is None:  # backends of a RayCluster or an EndpointPool (it let their replicas run on)
         services += [b for b in list(_alive) if not isinstance(b, EngineService) and not b.stopped]
-    if model is not None:
+    else:
         if isinstance(model, LLMEngine):
             services = [s for s in services if s._engine is model]
         else:

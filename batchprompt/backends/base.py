@@ -123,7 +123,7 @@ class Backend(Protocol):
 
     def dispatch(self, fn: Callable, *args, cut: bool = False) -> None:
         """Run a user callback on the backend's callback thread, in order (`cut`: on results a
-        stop cancelled, which a local engine does not run at interpreter exit)."""
+        stop cancelled, which no backend runs at interpreter exit)."""
 
     def pin_prefix(self, name: str, token_ids: list[int]) -> Future:
         """Compute `token_ids` once and keep them cached under `name` (a session's shared
