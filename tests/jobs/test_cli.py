@@ -36,27 +36,30 @@ def write_sms_batch(path: Path, n: int) -> list[str]:
     return [f"sms-{i}" for i in range(n)]
 
 
+def refused_before_any_work(capsys, inp: Path, out: Path, *options: str, message: str) -> None:
+    """`run inp -o out options` exits 2 with `message`, writing neither the output nor a journal."""
+    assert main(["run", str(inp), "-o", str(out), *options]) == 2, inp
+    assert message in capsys.readouterr().err
+    assert not out.exists() and not Path(f"{out}.journal").exists()
+
+
 def test_an_empty_input_is_refused_as_the_server_refuses_it(tmp_path, capsys):
     """It exited 0 with an empty output and a journal, 'outputs written from the journal'."""
     for name, text in (("empty.jsonl", ""), ("blank.jsonl", "\n  \n"), ("header.csv", "text\n")):
         inp = tmp_path / name
         inp.write_text(text)
-        out = tmp_path / f"{name}.out.jsonl"
         column = ["--column", "text"] if name.endswith(".csv") else []
-        assert main(["run", str(inp), "-o", str(out), *column]) == 2, name
-        assert f"{inp} holds no requests" in capsys.readouterr().err
-        assert not out.exists() and not Path(f"{out}.journal").exists()
+        refused_before_any_work(capsys, inp, tmp_path / f"{name}.out.jsonl", *column,
+                                message=f"{inp} holds no requests")
 
 
 def test_a_table_with_a_column_the_output_adds_is_refused_before_any_work(tmp_path, capsys):
     """--format table wrote two columns named result (the input's and the answers')."""
     inp = tmp_path / "in.csv"
     inp.write_text("id,text,result\n1,hi,spam\n")
-    out = tmp_path / "out.csv"
-    assert main(["run", str(inp), "-o", str(out), "--column", "text", "--format", "table"]) == 2
-    assert (f"{inp} has a column named 'result', which --format table adds to the output: rename that column, or "
-            f"write OpenAI lines (--format openai)") in capsys.readouterr().err
-    assert not out.exists() and not Path(f"{out}.journal").exists()
+    refused_before_any_work(capsys, inp, tmp_path / "out.csv", "--column", "text", "--format", "table",
+                            message=f"{inp} has a column named 'result', which --format table adds to the output: "
+                                    f"rename that column, or write OpenAI lines (--format openai)")
 
 
 def test_a_parquet_column_a_csv_cannot_hold_is_refused_before_any_work(tmp_path, capsys):
@@ -67,11 +70,9 @@ def test_a_parquet_column_a_csv_cannot_hold_is_refused_before_any_work(tmp_path,
 
     inp = tmp_path / "in.parquet"
     pq.write_table(pa.table({"text": ["hi", "yo"], "tags": [[1, 2], []]}), inp)
-    out = tmp_path / "out.csv"
-    assert main(["run", str(inp), "-o", str(out), "--column", "text", "--format", "table"]) == 2
-    assert (f"{inp}: column 'tags' (list<element: int64>) cannot be written to a CSV table: name the output "
-            f".parquet") in capsys.readouterr().err
-    assert not out.exists() and not Path(f"{out}.journal").exists()
+    refused_before_any_work(capsys, inp, tmp_path / "out.csv", "--column", "text", "--format", "table",
+                            message=f"{inp}: column 'tags' (list<element: int64>) cannot be written to a CSV "
+                                    f"table: name the output .parquet")
 
 
 def test_jsonl_output_named_as_a_table_is_refused_before_any_work(tmp_path, capsys):
@@ -79,10 +80,9 @@ def test_jsonl_output_named_as_a_table_is_refused_before_any_work(tmp_path, caps
     inp = tmp_path / "in.csv"
     inp.write_text("text\nhi\n")
     out = tmp_path / "out.csv"
-    assert main(["run", str(inp), "-o", str(out), "--column", "text"]) == 2
-    assert (f"{out}: the output is OpenAI's JSONL (--format openai): name it .jsonl, or add --format table for a "
-            f"table") in capsys.readouterr().err
-    assert not out.exists() and not Path(f"{out}.journal").exists()
+    refused_before_any_work(capsys, inp, out, "--column", "text",
+                            message=f"{out}: the output is OpenAI's JSONL (--format openai): name it .jsonl, or add "
+                                    f"--format table for a table")
 
 
 def test_table_output_delimiters():

@@ -244,33 +244,14 @@ def test_a_script_that_ends_without_close_exits_cleanly(local_ray):
     assert "Started a local Ray instance" not in p.stderr, p.stderr[-3000:]
 
 
-EXIT_WITH_A_BATCH_RUNNING = """
-import sys, time
-import batchprompt as bp
-lm = bp.LanguageModel.create(cluster=bp.RayCluster(address=sys.argv[1], replicas=1, replica_cpus=0.5, threads=1))
-print(bool(lm.prompt("hi", max_tokens=2)), flush=True)  # the replica is up
-batch = lm.create_batch([f"Write a long story about a cat named {i}" for i in range(8)], max_tokens=400,
-                        min_tokens=400)
-batch.on_result(lambda i, r: print("CALLBACK", i, r.finish_reason, flush=True)).start()
-time.sleep(1)
-print("leaving", batch.progress.done, flush=True)
-"""
-
-
 def test_a_script_that_ends_while_its_batch_runs_on_ray_says_so(local_ray):
     """The exit stopped no Ray backend: the replicas were let go of after Ray's own exit hook,
     the cut prompts went unnamed, and a session's release started a new local Ray instance."""
-    import os
-    import subprocess
-    import sys
+    from tests.exit_script import end_while_a_batch_runs
 
-    p = subprocess.run([sys.executable, "-c", EXIT_WITH_A_BATCH_RUNNING, local_ray], capture_output=True, text=True,
-                       timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert p.returncode == 0 and "leaving 0" in p.stdout, (p.returncode, p.stdout, p.stderr[-3000:])
-    assert "CALLBACK" not in p.stdout, p.stdout  # the cut prompts' callbacks are dropped, as on a local engine
-    assert ("the script ended with 8 prompts unfinished: cancelled, without the 8 calls of on_result and "
-            "on_complete for them") in p.stderr, p.stderr[-3000:]
-    assert "Started a local Ray instance" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
+    p = end_while_a_batch_runs("cluster=bp.RayCluster(address=sys.argv[1], replicas=1, replica_cpus=0.5, threads=1)",
+                               [local_ray], timeout=600)
+    assert "Started a local Ray instance" not in p.stderr, p.stderr[-3000:]
 
 
 RAY_SHUT_DOWN_MID_BATCH = """

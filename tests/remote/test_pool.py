@@ -173,31 +173,12 @@ def test_bp_shutdown_lets_go_of_a_pool_too(two_servers):
         assert bp.LanguageModel.create(model=pool, max_tokens=2).prompt("hi")  # a new session starts it again
 
 
-EXIT_WITH_A_BATCH_RUNNING = """
-import sys, time
-import batchprompt as bp
-lm = bp.LanguageModel.create(model=bp.EndpointPool(sys.argv[1:]))
-batch = lm.create_batch([f"Write a long story about a cat named {i}" for i in range(8)], max_tokens=300,
-                        min_tokens=300)
-batch.on_result(lambda i, r: print("CALLBACK", i, r.finish_reason, flush=True)).start()
-time.sleep(1)
-print("leaving", batch.progress.done, flush=True)
-"""
-
-
 def test_a_script_that_ends_while_its_batch_runs_on_a_pool_says_so(two_servers):
     """The exit did not stop the pool: its requests were dropped with the interpreter, and
     nothing said that the batch's prompts had no answers."""
-    import subprocess
-    import sys
+    from tests.exit_script import end_while_a_batch_runs
 
-    p = subprocess.run([sys.executable, "-c", EXIT_WITH_A_BATCH_RUNNING, *(s.url for s in two_servers)],
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0 and "leaving 0" in p.stdout, (p.returncode, p.stdout, p.stderr[-3000:])
-    assert "CALLBACK" not in p.stdout, p.stdout  # the cut prompts' callbacks are dropped, as on a local engine
-    assert ("the script ended with 8 prompts unfinished: cancelled, without the 8 calls of on_result and "
-            "on_complete for them") in p.stderr, p.stderr[-3000:]
-    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    end_while_a_batch_runs("model=bp.EndpointPool(sys.argv[1:])", [s.url for s in two_servers], timeout=300)
 
 
 def test_structured_output_goes_to_the_servers(two_servers, reference):
