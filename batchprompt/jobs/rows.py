@@ -323,7 +323,8 @@ def _no_constant(name: str) -> Any:
 
 def json_loads(text: str | bytes) -> Any:
     """json.loads of strict JSON, as OpenAI reads it: NaN and Infinity (which Python's json
-    takes) are a JSONDecodeError, as is JSON nested too deeply for it (a RecursionError), so
+    takes) are a JSONDecodeError, as is JSON nested too deeply for it (a RecursionError: the
+    depth that raises it differs by Python version, from 5,000 levels or fewer to tens of thousands), so
     that such input is refused like any other bad JSON. A UTF-8 byte-order mark before the JSON
     is skipped on any line, as on the first (files saved with one and joined with `cat`: Python's
     "Unexpected UTF-8 BOM (decode using utf-8-sig)" failed the row)."""
@@ -335,7 +336,7 @@ def json_loads(text: str | bytes) -> Any:
         return json.loads(text, parse_constant=_no_constant)
     except RecursionError:
         doc = text if isinstance(text, str) else text.decode("utf-8", "replace")
-        raise json.JSONDecodeError("nested too deeply (the limit is about 1,000 levels)", doc, 0) from None
+        raise json.JSONDecodeError("nested too deeply for the JSON parser", doc, 0) from None
     except _NotJson as e:
         doc = text if isinstance(text, str) else text.decode("utf-8", "replace")
         raise json.JSONDecodeError(f"{e} is not a JSON value (write a number, or null)", doc,

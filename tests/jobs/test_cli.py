@@ -470,8 +470,11 @@ def test_dtype_context_and_kv_size_reach_the_engine(tmp_path):
 
 # ---- crashes: a real SIGKILL, and Ctrl-C ---------------------------------------------------------
 def _start(inp: Path, out: Path) -> subprocess.Popen:
+    """The job in a process of its own, on the CPU: these tests stop it part way, and on a GPU
+    (an H100) a 160-row job ended before a poll saw its 20th row."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen([sys.executable, "-m", "batchprompt", "run", str(inp), "-o", str(out), "--no-progress"],
+    return subprocess.Popen([sys.executable, "-m", "batchprompt", "run", str(inp), "-o", str(out), "--no-progress",
+                             "--device", "cpu"],
                             stderr=subprocess.PIPE, text=True, env=env, preexec_fn=sigint_default)
 
 

@@ -10,6 +10,7 @@ from batchprompt.jobs import openai_io
 from batchprompt.jobs.rows import (CHAT, COMPLETION, INVALID_UTF8, InputError, Row, RowError, Table, parse_line,
                                    read_input, read_jsonl)
 from batchprompt.jobs.run import JobOptions, row_params
+from tests.json_depth import DEEP
 
 
 def lines(*objs) -> bytes:
@@ -34,7 +35,7 @@ def test_openai_lines_and_plain_lines():
 
 @pytest.mark.parametrize("line, code", [
     ("{not json", "invalid_json"),
-    ('{"prompt": ' + "[" * 5000 + "]" * 5000 + "}", "invalid_json"),  # too deep: was a RecursionError
+    ('{"prompt": ' + "[" * DEEP + "]" * DEEP + "}", "invalid_json"),  # too deep: was a RecursionError
     ("[1, 2]", "invalid_request"),
     ({"custom_id": "x", "method": "POST", "url": "/v1/embeddings", "body": {}}, "invalid_url"),
     ({"custom_id": "x", "method": "GET", "url": CHAT, "body": {}}, "invalid_method"),

@@ -11,6 +11,7 @@ from batchprompt.jobs.rows import Row, RowError, parse_line
 from batchprompt.server.batch_input import MAX_ERRORS, check_input
 from batchprompt.server.batch_store import Store, UnknownCursor
 from batchprompt.server.data_dir import DataDir, DataDirError
+from tests.json_depth import DEEP
 
 CHAT = "/v1/chat/completions"
 
@@ -38,7 +39,7 @@ def test_every_bad_line_is_named_once_with_its_number():
                 json.dumps({"url": CHAT, "body": {}}), json.dumps({"custom_id": "d", "url": CHAT, "method": "GET",
                                                                    "body": {}}),
                 json.dumps({"custom_id": "e", "url": CHAT}), line("f", messages=[], model="other"), "7",
-                b'{"custom_id": "\xff"}', '{"body": ' + "[" * 5000 + "]" * 5000 + "}")
+                b'{"custom_id": "\xff"}', '{"body": ' + "[" * DEEP + "]" * DEEP + "}")
     assert not got.ok
     assert [(e["line"], e["code"]) for e in got.errors] == [
         (2, "invalid_json"), (3, "duplicate_custom_id"), (4, "mismatched_url"), (5, "invalid_url"),

@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from .conftest import LONG_COMPLETION, error_of, start_server, stop_server
+from tests.json_depth import DEEP
 
 pytestmark = pytest.mark.slow
 
@@ -265,7 +266,7 @@ def test_a_bad_value_names_its_field_in_param(server, field, value):
 @pytest.mark.parametrize("body, status, code", [
     (b'{"messages": [', 400, "invalid_json"),
     (b'[1, 2]', 400, "invalid_json"),
-    (b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "invalid_json"),  # was a 500 (RecursionError)
+    (b'{"messages": ' + b"[" * DEEP + b"]" * DEEP + b"}", 400, "invalid_json"),  # was a 500 (RecursionError)
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, None),
     ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}, 400,
      "invalid_parameter"),  # without stream: true (OpenAI refuses it too)
