@@ -407,8 +407,9 @@ class RayBackend(StopCounts):
         """The block's replica died: re-send its items; the replica, once Ray restarts it, is
         probed back into service."""
         if slot.state == "ready" and block.incarnation == slot.incarnation:
-            log.warning("Ray replica %d (pid %s) was lost (%s); its rows run on the others", slot.index,
-                        slot.info and slot.info.pid, type(error).__name__)
+            log.warning("Ray replica %d (pid %s) was lost (%s); its rows run %s", slot.index,
+                        slot.info and slot.info.pid, type(error).__name__,
+                        "on the others" if len(self._slots) > 1 else "again once Ray has restarted it")
             self.replicas_lost += 1
             slot.state, slot.incarnation = "recovering", slot.incarnation + 1
             self._probe(slot)

@@ -91,17 +91,28 @@ class RayCluster:
     init_options: dict | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.replicas, int) or self.replicas < 1:
+        # A bool is an int to Python, and a string compared with a number was a bare TypeError.
+        for name in ("replicas", "threads", "max_restarts", "blocks_in_flight", "block_rows"):
+            value = getattr(self, name)
+            if not (value is None and name == "threads") and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be a whole number, got {value!r}")
+        for name in ("replica_cpus", "replica_gpus", "start_timeout_s", "recover_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if self.replicas < 1:
             raise ValueError(f"replicas must be an integer >= 1, got {self.replicas!r}")
         if self.replica_cpus < 0 or self.replica_gpus < 0:
             raise ValueError(f"replica_cpus and replica_gpus must be >= 0, got {self.replica_cpus}, "
                              f"{self.replica_gpus}")
-        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+        if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be an integer >= 1, got {self.threads!r}")
         if self.max_restarts < -1:
             raise ValueError(f"max_restarts must be >= 0 (or -1: without limit), got {self.max_restarts}")
         if self.blocks_in_flight < 1 or self.block_rows < 1:
             raise ValueError("blocks_in_flight and block_rows must be >= 1")
+        if not self.start_timeout_s > 0 or not self.recover_timeout_s > 0:
+            raise ValueError("start_timeout_s and recover_timeout_s must be > 0 seconds")
         # _start_lock: one backend starts at a time per model; _lock guards the dict only, so a
         # backend that stops while starting (its dispatch thread calls forget) never waits on
         # the starter, which waits for that thread.

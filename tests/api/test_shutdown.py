@@ -210,8 +210,8 @@ def test_a_script_that_ends_while_its_batch_runs_says_so_and_runs_no_callback_of
     # the short batch's on_complete ran (it finished); the long one's did not
     assert (ran_ok, ran_cancelled, ran_complete) == (finished, 0, 1), proc.stdout
     plural = "prompt" if cancelled == 1 else "prompts"
-    assert (f"the script ended with {cancelled} {plural} unfinished: cancelled, without the {cancelled + 1} calls "
-            f"of on_result and on_complete for them. Call wait() on a batch") in proc.stderr, proc.stderr[-2000:]
+    assert (f"the script ended with {cancelled} {plural} unfinished: cancelled, without the {cancelled + 1} callback "
+            f"calls due for them. Call wait() on a batch") in proc.stderr, proc.stderr[-2000:]
 
 
 def test_a_ctrl_c_while_the_engines_stop_at_exit_ends_the_process_at_once(monkeypatch):

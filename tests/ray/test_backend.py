@@ -333,3 +333,17 @@ def test_more_replicas_than_the_cluster_holds_at_once_are_told(local_ray, caplog
     finally:
         lm.close()
         cluster.shutdown()
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(replica_cpus="1"), "replica_cpus must be a number, got '1'"),  # was a bare TypeError ('<' on str)
+    (dict(replicas=True), "replicas must be a whole number, got True"),  # was taken as 1 replica
+    (dict(replicas=2.0), "replicas must be a whole number, got 2.0"),
+    (dict(threads=False), "threads must be a whole number, got False"),
+    (dict(replica_gpus=None), "replica_gpus must be a number, got None"),  # was a bare TypeError
+    (dict(start_timeout_s=0), "start_timeout_s and recover_timeout_s must be > 0 seconds"),
+])
+def test_a_bad_cluster_option_is_one_clear_error(bad, message):
+    with pytest.raises(ValueError) as e:
+        bp.RayCluster(**bad)
+    assert str(e.value) == message
