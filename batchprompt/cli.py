@@ -394,8 +394,13 @@ def _structured_options(args: argparse.Namespace) -> dict:
             try:
                 source = Path(source).read_text()
             except OSError as e:
-                raise ValueError(f"--json-schema {args.json_schema}: cannot read it ({e.strerror}); "
-                                 f"give a file or inline JSON") from None
+                try:  # inline JSON that is not an object: `true`, `[]` said "No such file or directory"
+                    json.loads(source)
+                except ValueError:
+                    raise ValueError(f"--json-schema {args.json_schema}: cannot read it ({e.strerror}); "
+                                     f"give a file or inline JSON") from None
+                raise ValueError(f"--json-schema {args.json_schema}: a JSON schema is a JSON object "
+                                 f"('{{\"type\": ...}}'), inline or in a file") from None
         try:
             opts["json_schema"] = json.loads(source)
         except json.JSONDecodeError as e:

@@ -63,7 +63,7 @@ class OutputSpec:
             model_class = None
             if isinstance(json_schema, type) and hasattr(json_schema, "model_json_schema"):
                 model_class, json_schema = json_schema, json_schema.model_json_schema()
-            return cls(_checked(schema_option, Grammar.json_schema(json_schema, JSON_DEFAULTS)),
+            return cls(_checked_schema(schema_option, json_schema),
                        model_class=model_class)
         return None
 
@@ -106,12 +106,13 @@ class OutputSpec:
         # A label that is a prefix of another ends with EOS, within the longest label's length.
         return replace(params, grammar=Grammar.choices(self.labels, ids), max_tokens=len(ids[longest]))
 
-    def finish(self, result: Result, choice_logprobs: list[float] | None = None, complete: bool = False,
+    def finish(self, result: Result, choice_logprobs: list[float] | None = None, complete: bool | None = None,
                asked_stop: bool = False, max_tokens: int | None = None) -> Result:
         """Check and parse a finished result: a label with its probabilities, parsed JSON, or a
         clear error when the output was cut before it completed its grammar. `complete`: the
         engine found the output a whole match (max_tokens may cut one that could go on: "a+"
-        after "aaaa" is a match, kept with finish_reason "length", as vLLM keeps it).
+        after "aaaa" is a match, kept with finish_reason "length", as vLLM keeps it); None where
+        the backend cannot tell (a remote server): a cut JSON output then counts if it parses.
         `asked_stop`: the request gave stop strings or stop token ids; one that ends a JSON
         answer before it is whole leaves the text as the answer (finish_reason "stop", nothing
         parsed), as vLLM answers it and as a stream of it reads. `max_tokens`: what the request
@@ -131,6 +132,8 @@ class OutputSpec:
         if self.labels:
             return result
         if self.grammar.is_json:
+            if cut and complete is False:  # "1" of an integer >= 100000 parses, but is no answer
+                return self._cut(result, max_tokens)
             try:
                 parsed = (self.model_class.model_validate_json(result.text) if self.model_class is not None
                           else json.loads(result.text))
@@ -192,6 +195,20 @@ def _checked(option: str, grammar: Grammar) -> Grammar:
     if problem is not None:
         raise ValueError(f"bad {option} (fix it): {problem}")
     return grammar
+
+
+def _checked_schema(option: str, schema: Any) -> Grammar:
+    """_checked for a JSON schema, whose objects are closed: where only the closing makes it
+    unusable ("minProperties": 2 with one property listed), the error says so and how to open it."""
+    grammar = Grammar.json_schema(schema, JSON_DEFAULTS)
+    problem = grammar_problem(grammar)
+    if problem is None:
+        return grammar
+    if grammar_problem(Grammar.json_schema(schema, JSON_DEFAULTS, close=False)) is None:
+        problem += ('; that is after batchprompt closed its objects ("additionalProperties": false on each object '
+                    'that lists properties and says nothing of others, as OpenAI\'s strict mode and vLLM do): '
+                    'give the object "additionalProperties": true to leave it open')
+    raise ValueError(f"bad {option} (fix it): {problem}")
 
 
 def _shown(label: str) -> str:

@@ -17,7 +17,9 @@ def advance_grammar(req: Request, token: int, jump_forward: bool, max_model_len:
     m = req.matcher
     # A matcher in error here hit a dead end while computing this step's mask (no text
     # continues the output to a match) and let only EOS through: that EOS is no answer.
-    if m.is_error() or not m.consume_token(token):
+    if m.is_error():  # not this token's fault: the engine was stopped before it (a limit, a dead end)
+        return "error", _failure(req, None, tokenizer, eos_token_ids)
+    if not m.consume_token(token):
         return "error", _failure(req, token, tokenizer, eos_token_ids)
     p = req.params
     if jump_forward and not (m.is_stopped() or p.logprobs or p.stop or p.stop_token_ids):
@@ -33,10 +35,14 @@ def advance_grammar(req: Request, token: int, jump_forward: bool, max_model_len:
     return "error", _failure(req, token, tokenizer, eos_token_ids)
 
 
-def _failure(req: Request, token: int, tokenizer, eos_token_ids: frozenset[int]) -> str:
+def _failure(req: Request, token: int | None, tokenizer, eos_token_ids: frozenset[int]) -> str:
+    """Why the output cannot match; `token` is the one the grammar refused (None: the grammar
+    engine had stopped before this step's token, which was then only the EOS it let through)."""
     kind = req.params.grammar.kind
     reason = req.matcher.get_error().split("\n", 1)[0]
     if reason and not is_no_match(reason):
+        if token is None:  # "refused token 2" named the EOS, not the cause
+            return f"the grammar engine stopped on the {kind}: {reason}"
         return f"the grammar engine refused token {token}: {reason}"
     ids = [t for t in req.output_token_ids if t not in eos_token_ids]
     text = tokenizer.decode(ids) if ids else ""

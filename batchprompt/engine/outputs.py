@@ -32,9 +32,9 @@ class RequestOutput:
     # answered): sent again, it may well succeed. A job journals no such request.
     retryable: bool = False
     # A constrained output (params.grammar) that is a whole match of its grammar: also one that
-    # max_tokens cut where the grammar could end ("a+" cut after "aaaa"). False otherwise, and
+    # max_tokens cut where the grammar could end ("a+" cut after "aaaa"). False otherwise; None
     # from backends that cannot tell (a remote server).
-    grammar_complete: bool = False
+    grammar_complete: bool | None = False
     # The stop string or stop token id that ended the output (vLLM's stop_reason); None where EOS,
     # max_tokens or anything else ended it.
     stop_reason: str | int | None = None

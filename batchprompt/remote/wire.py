@@ -266,7 +266,8 @@ def _one(rid: str, prompt_ids: list[int], s: Sample, params: SamplingParams, tok
         tops = [_top(pos, tokenizer) for pos in s.top_logprobs]
     return RequestOutput(rid, list(prompt_ids), list(ids), s.text, s.finish_reason,
                          logprobs=s.logprobs if params.logprobs else None, top_logprobs=tops,
-                         num_cached_tokens=cached, stop_reason=s.stop_reason if s.finish_reason == "stop" else None)
+                         num_cached_tokens=cached, stop_reason=s.stop_reason if s.finish_reason == "stop" else None,
+                         grammar_complete=None)  # a server does not say
 
 
 def _top(pos: Any, tokenizer) -> list[tuple[int, float]]:

@@ -50,11 +50,12 @@ class Grammar:
         return cls("regex", pattern)
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any] | str, options: dict[str, Any] | None = None) -> "Grammar":
+    def json_schema(cls, schema: dict[str, Any] | str, options: dict[str, Any] | None = None,
+                    close: bool = True) -> "Grammar":
         """JSON valid against `schema`, whose objects allow only the properties they list
-        unless they say `additionalProperties` themselves (see `close_objects`). `options` are
-        defaults for llguidance's JSON compiler ("x-guidance"), which the schema's own
-        "x-guidance" overrides."""
+        unless they say `additionalProperties` themselves (see `close_objects`; `close=False`
+        leaves them as written). `options` are defaults for llguidance's JSON compiler
+        ("x-guidance"), which the schema's own "x-guidance" overrides."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -63,7 +64,8 @@ class Grammar:
         if not isinstance(schema, dict):
             raise ValueError(f"json_schema must be a dict (a JSON schema) or a pydantic model class, "
                              f"got {type(schema).__name__}")
-        return cls("json_schema", json.dumps(_with_options(close_objects(schema), options)))  # key order kept
+        schema = close_objects(schema) if close else schema
+        return cls("json_schema", json.dumps(_with_options(schema, options)))  # key order kept
 
     @classmethod
     def json_object(cls, options: dict[str, Any] | None = None) -> "Grammar":
@@ -106,13 +108,13 @@ class Grammar:
 def _as_lark(text: str) -> str:
     """A grammar as llguidance's Lark: Lark as it is, and GBNF (llama.cpp's `root ::= ...`,
     which vLLM's guided_grammar takes from its examples) converted by llguidance's own tool."""
-    from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark, is_lark_syntax
+    from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
 
     if "::=" not in text or is_lark_syntax(text):
         return text
     try:
         return gbnf_to_lark(text)
-    except GbnfToLarkError as e:
+    except Exception as e:  # noqa: BLE001 - GbnfToLarkError, and a plain Exception for a rule not defined
         raise ValueError(f"the grammar reads as GBNF (it has '::=') but does not convert to Lark: {e}") from None
 
 

@@ -45,12 +45,31 @@ def _problem(grammar: Grammar) -> str | None:
     matcher = LLMatcher(_byte_tokenizer(), text, log_level=0)
     if matcher.is_error():
         return f"the grammar engine rejected it: {matcher.get_error().strip()}"
-    reason = dead_end(matcher)
+    reason = dead_end(matcher) or _first_bytes_problem(matcher)
     if reason is None:
         return None
     if is_no_match(reason):  # every byte string is a token sequence here: nothing matches at all
         return "no text can match it"
     return f"the grammar engine stopped on it: {reason}"
+
+
+def _first_bytes_problem(matcher, steps: int = 4) -> str | None:
+    """The grammar engine's error on the first few bytes of a match (each the lowest byte that
+    the grammar allows), or None. Some limits show only there: `a{1000000}` compiles, then the
+    lexer gives up on the first `a` ("too many expressions constructed"), and every row failed."""
+    import numpy as np
+
+    for _ in range(steps):
+        allowed = np.flatnonzero(np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little"))
+        if not len(allowed) or allowed[0] >= 256:
+            return None  # only the end can follow
+        consumed = matcher.consume_token(int(allowed[0]))
+        if matcher.is_error():
+            reason = matcher.get_error().split("\n", 1)[0]
+            return None if is_no_match(reason) else reason
+        if not consumed:
+            return None
+    return None
 
 
 class _Bytes:

@@ -234,6 +234,26 @@ def test_an_output_that_is_already_a_match_when_max_tokens_cuts_it_is_kept(lm, o
         assert isinstance(r.parsed, int) and str(r.parsed) == r.text
 
 
+def test_a_cut_json_output_that_parses_but_is_no_whole_match_is_the_clear_error(lm):
+    """'1' of an integer >= 100000, cut by max_tokens, parses as JSON: it came back ok, with
+    finish_reason "length" and a value the schema refuses. The engine knows it is no match."""
+    for schema in ({"type": "integer", "minimum": 100000}, {"enum": [123456, 789012]}):
+        r = lm.batch_prompt(["How many people live in Paris?"], json_schema=schema, max_tokens=1)[0]
+        assert r.finish_reason == "length" and not r.ok and r.parsed is None, (schema, r)
+        assert "before it completed the json_schema: raise max_tokens" in r.error
+
+
+def test_a_schema_that_only_its_closing_makes_unusable_says_how_to_open_it():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "minProperties": 2}
+    with pytest.raises(ValueError) as e:
+        OutputSpec.from_options(json_schema=schema)
+    assert 'give the object "additionalProperties": true to leave it open' in str(e.value)
+    OutputSpec.from_options(json_schema={**schema, "additionalProperties": True})  # usable, as written
+    with pytest.raises(ValueError) as e:  # unusable whatever is closed: no such hint
+        OutputSpec.from_options(json_schema={"type": "strin"})
+    assert "additionalProperties" not in str(e.value)
+
+
 def test_a_cut_output_from_a_backend_that_cannot_tell_is_complete_only_if_json_parses():
     """A remote server's output cut by max_tokens says nothing of its grammar: a JSON one is
     kept if it parses, anything else is the clear error."""

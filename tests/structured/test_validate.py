@@ -18,6 +18,12 @@ from batchprompt.structured.validate import grammar_problem
     (Grammar.regex(r"(spam|ham)[^\s\S]"), "no text can match it"),
     (Grammar.json_schema({"type": "object", "properties": {"a": {"type": "string", "pattern": r"[^\s\S]"}},
                           "required": ["a"]}), "unsatisfiable"),
+    # GBNF naming a rule it does not define: llguidance's converter raises a plain Exception, which
+    # was a bare Exception in Python, a 500 on the server and a row "not journaled" in a job.
+    (Grammar.lark("root ::= foo"), "does not convert to Lark: Rule 'foo' not found"),
+    # Compiles, then the lexer gives up on the first byte: every row failed, as "refused token 2".
+    (Grammar.regex("a{1000000}"), "the grammar engine stopped on it: lexer error: too many expressions"),
+    (Grammar.regex("xa{1000000}"), "too many expressions"),
 ])
 def test_problems_are_found_without_a_tokenizer(grammar, message):
     problem = grammar_problem(grammar)
@@ -28,6 +34,7 @@ def test_problems_are_found_without_a_tokenizer(grammar, message):
 @pytest.mark.parametrize("grammar", [
     Grammar.regex(r"(spam|ham) \([0-9]{1,2}%\)"),
     Grammar.regex("a{0}"),  # matches only the empty text: an answer all the same
+    Grammar.regex("a{100000}"),  # large, within the lexer's limits
     Grammar.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}),
     Grammar.json_object(),
     Grammar.lark('start: "yes" | "no" <[2]>'),  # token ids are the engine's to check, with its vocabulary
