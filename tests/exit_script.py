@@ -28,7 +28,7 @@ def end_while_a_batch_runs(session: str, args: list[str], timeout: float) -> sub
                        timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert p.returncode == 0 and "leaving 0" in p.stdout, (p.returncode, p.stdout, p.stderr[-3000:])
     assert "CALLBACK" not in p.stdout, p.stdout
-    assert ("the script ended with 8 prompts unfinished: cancelled, without the 8 calls of on_result and "
-            "on_complete for them") in p.stderr, p.stderr[-3000:]
+    assert ("the script ended with 8 prompts unfinished: cancelled, without the 8 callback calls due "
+            "for them") in p.stderr, p.stderr[-3000:]
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
     return p
