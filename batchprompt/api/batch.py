@@ -349,6 +349,7 @@ class Batch:
         Called inside a callback (where the other callbacks cannot run until it returns), it
         waits for the results only."""
         timeout = wait_seconds(timeout)  # before anything: a bad one failed inside the wait, which cancelled
+        check_errors([], errors)  # before the wait too: a bad one ran the whole batch, then raised
         try:
             self.start()
             finished = (self._done if on_callback_thread() else self._finished).wait(timeout)
@@ -362,13 +363,19 @@ class Batch:
     async def wait_async(self, errors: str = "return") -> list[Result]:
         """wait() for asyncio. Cancelling the awaiting task (task.cancel(), a timeout of
         asyncio.wait_for) cancels what has not finished."""
+        check_errors([], errors)
         await self._finished_async()
         return check_errors(self.results, errors)
 
     async def _finished_async(self) -> None:
+        """Until the batch is finished; inside a callback, until its results are in (as wait():
+        the other callbacks cannot run before this one returns, and it waited for ever)."""
         loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._when_finished(lambda: _call_soon(loop, _set, fut, None))
+        if on_callback_thread():
+            fut = loop.run_in_executor(None, self._done.wait)
+        else:
+            fut = loop.create_future()
+            self._when_finished(lambda: _call_soon(loop, _set, fut, None))
         try:
             self.start()
             await fut

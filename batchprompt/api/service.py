@@ -36,6 +36,7 @@ from ..backends.base import Item, Source, StopCounts, answer, stopped_output  # 
 from ..device import prepare_engine_thread
 from ..engine import EngineConfig, EngineStats, LLMEngine, RequestOutput, SamplingParams
 from ..engine.config import EngineConfigError
+from ..units import wait_seconds
 from .callbacks import CallbackThread
 from .result import EngineStoppedError
 
@@ -133,7 +134,9 @@ class EngineService(StopCounts):
         fut: Future = Future()
 
         def done(out: RequestOutput) -> None:
-            if out.error:
+            if out.error and self.stopped:  # as every call on a stopped engine: what a retry catches
+                fut.set_exception(EngineStoppedError(f"the session's system prompt cannot run: {out.error}"))
+            elif out.error:
                 fut.set_exception(ValueError(f"the session's system prompt cannot run: {out.error}"))
             else:
                 try:
@@ -600,6 +603,7 @@ def shutdown(model: str | LLMEngine | None = None, timeout: float | None = None)
     `timeout`: wait at most this long in all for their threads (an engine thread stuck in a
     step is then left to end after it, logged); by default, wait until they end. With
     model=None, the Ray replicas and endpoint pools that sessions run on are let go of too."""
+    timeout = wait_seconds(timeout)  # -1 was taken, and logged as "did not finish within -1s"
     with _services_lock:
         services = list(dict.fromkeys(_services.values()))
     if model is None:  # backends of a RayCluster or an EndpointPool (it let their replicas run on)

@@ -32,6 +32,9 @@ from ..backends import INTERACTIVE, Backend, get_backend
 Message = dict[str, str]
 Prompt = str | Sequence[Message]
 _session_ids = itertools.count()
+#: A session joining its backend, and close()'s "no other session: shut the engine down", one at
+#: a time: close() on one thread shut the engine down under a session another was creating.
+_lifetime = threading.Lock()
 DESTROYED = "cancelled: the session was destroyed"
 
 
@@ -50,11 +53,18 @@ class LanguageModel:
         self._lock = threading.Lock()
         self._batches: weakref.WeakSet[Batch] = weakref.WeakSet()  # cancelled by destroy()
         self.prefix_token_ids = self._prefix_ids()
-        if _pin_from is not None:
-            self.pinned_tokens = service.copy_pin(_pin_from, self._name).result()
-        else:
-            self.pinned_tokens = service.pin_prefix(self._name, self.prefix_token_ids).result()
-        service.add_session(self._name)
+        with _lifetime:  # open from here on, for close() on any thread
+            if service.stopped:
+                raise EngineStoppedError(f"the engine is gone ({service.stop_reason})")
+            service.add_session(self._name)
+        try:
+            if _pin_from is not None:
+                self.pinned_tokens = service.copy_pin(_pin_from, self._name).result()
+            else:
+                self.pinned_tokens = service.pin_prefix(self._name, self.prefix_token_ids).result()
+        except BaseException:
+            service.close_session(self._name)
+            raise
         self._finalizer = weakref.finalize(self, _unpin, service, self._name)
 
     @classmethod
@@ -79,8 +89,16 @@ class LanguageModel:
                                  "initial_prompts, not both")
             initial.insert(0, {"role": "system", "content": system})
         opts = GenerationOptions().merged(options)
-        service = get_backend(model, cluster=cluster, device=device, dtype=dtype, engine_options=engine_options)
-        return cls(service, initial, opts)
+        for again in (False, True):
+            service = get_backend(model, cluster=cluster, device=device, dtype=dtype, engine_options=engine_options)
+            try:
+                return cls(service, initial, opts)
+            except EngineStoppedError:
+                # Shut down as asked (another thread's close() or bp.shutdown()) between getting
+                # it and joining it: the next get builds a fresh engine.
+                if again or not getattr(service, "_shut_down", False):
+                    raise
+        raise AssertionError("unreachable")
 
     # ---- the prefix ------------------------------------------------------------------------
     def _render_ids(self, messages: list[Message], limit: int | None = None) -> list[int]:
@@ -221,8 +239,9 @@ class LanguageModel:
         session uses it; work still running on it is then cancelled. `bp.shutdown()` releases
         engines whatever uses them. The next session on the model builds a fresh engine."""
         self.destroy()
-        if self._service.open_sessions == 0:
-            self._service.shutdown()
+        with _lifetime:
+            if self._service.open_sessions == 0:
+                self._service.shutdown()
 
     def __enter__(self) -> "LanguageModel":
         return self

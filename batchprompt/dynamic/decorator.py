@@ -14,6 +14,7 @@ Works on plain and async functions and on methods (one processor per instance).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 import weakref
@@ -27,6 +28,7 @@ from .processor import BatchProcessor, QueueFull
 from .queue import too_many_for_the_queue
 from .stats import BatchStats
 from .tensors import TensorBatcher, item_length
+from .nesting import waiting
 from .waiter import Waiter
 from .worker import serving
 
@@ -50,8 +52,8 @@ class DynamicFunction:
 
     def __call__(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
         p = self._processor or self.processor
-        self._not_inside(p)
-        if priority or timeout is not None or p._item_cost is not None:
+        # Inside a batch (another batched function's, or a circle: an error), through many's checks.
+        if priority or timeout is not None or p._item_cost is not None or getattr(serving, "processor", None):
             return self.many([item], priority=priority, timeout=timeout)[0]
         return p.call_one(item)
 
@@ -59,12 +61,13 @@ class DynamicFunction:
         _check_priority(priority)
         timeout = call_timeout(timeout)
         p = self.processor
-        self._not_inside(p)
-        return p.wait(p.submit(_as_list(items), priority, timeout), timeout)
+        with self._waiting(p):
+            return p.wait(p.submit(_as_list(items), priority, timeout), timeout)
 
     async def acall(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
         p = self._processor or self.processor
-        self._not_inside(p)
+        if getattr(serving, "processor", None) is not None:  # inside a batch (an async function's)
+            return (await self.amany((item,), priority=priority, timeout=timeout))[0]
         if priority or timeout is not None or p.max_queue is not None:
             return (await self.amany((item,), priority=priority, timeout=timeout))[0]
         # The common path, kept short: join this loop turn's group, await this item's result.
@@ -88,9 +91,11 @@ class DynamicFunction:
         _check_priority(priority)
         timeout = call_timeout(timeout)
         p = self.processor
-        self._not_inside(p)
+        with self._waiting(p):
+            return await self._amany(p, _as_list(items), priority, timeout)
+
+    async def _amany(self, p: BatchProcessor, items: list, priority: int, timeout: float | None) -> list:
         loop = asyncio.get_running_loop()
-        items = _as_list(items)
         if p.max_queue is not None and len(items) > p.max_queue:  # block_when_full waited for ever
             raise QueueFull(too_many_for_the_queue(p.name, len(items), p.max_queue))
         if not items:  # no group to join: alone in its loop turn, it waited for a flush that never came
@@ -106,7 +111,8 @@ class DynamicFunction:
                 if deadline is not None and time.monotonic() >= deadline:  # no room within the deadline
                     raise DeadlineExceeded(f"{p.name}: no room in the queue within the {timeout}s deadline") from None
                 await asyncio.sleep(p.timeout or 0.001)  # never block the event loop on a lock
-        return await p.await_group(group, start, stop, None if deadline is None else deadline - time.monotonic())
+        return await p.await_group(group, start, stop, None if deadline is None else deadline - time.monotonic(),
+                                   timeout)
 
     def imap(self, items: Iterable, *, max_in_flight: int = 1024, priority: int = 0) -> Iterator:
         """Results for `items` in input order, while later items are still queued; at most
@@ -123,15 +129,22 @@ class DynamicFunction:
         self._not_inside(self.processor)
         return stream.aimap(self.processor, items, max_in_flight, priority)
 
+    @property
+    def _name(self) -> str:
+        return getattr(self._fn, "__name__", "the function")
+
+    def _waiting(self, p: BatchProcessor):
+        """Around a call's wait: inside a batch, its batcher waits on `p` (nesting.waiting: a call
+        from inside `p`'s own batch, or one closing a circle a -> b -> a, is a RuntimeError)."""
+        caller = getattr(serving, "processor", None)
+        return contextlib.nullcontext() if caller is None else waiting(caller, p, self._name)
+
     def _not_inside(self, p: BatchProcessor) -> None:
-        """A call from inside this function's own batch waited for a batch that could not start
-        before the one running it ended: a deadlock, which also left the batcher dead."""
-        if getattr(serving, "processor", None) is not p:
-            return
-        name = getattr(self._fn, "__name__", "the function")
-        raise RuntimeError(f"{p.name} was called from inside its own batch: that call would wait for "
-                           f"a batch that cannot start until this one ends. Inside it, call the function itself "
-                           f"on a list ({name}.__wrapped__(items)), or another batched function")
+        """A stream (imap) from inside a batch: checked, though not counted as a wait."""
+        caller = getattr(serving, "processor", None)
+        if caller is not None:
+            with waiting(caller, p, self._name):
+                pass
 
     @property
     def stats(self) -> BatchStats:

@@ -268,7 +268,10 @@ class BatchProcessor(RunQueue, Worker):
             group.results = [Failure(e)] * n  # callers (several tasks) get the error, not a wait
             buf.loop.call_soon(resolve, [group])
 
-    async def await_group(self, group: _Group, start: int, stop: int, timeout: float | None) -> list:
+    async def await_group(self, group: _Group, start: int, stop: int, timeout: float | None,
+                          asked: float | None = None) -> list:
+        """The group's results [start:stop]; DeadlineExceeded after `timeout` seconds (what is
+        left of the `asked` deadline, which the error names)."""
         waiter = Waiter(group, start, stop)
         if timeout is None:
             try:
@@ -286,7 +289,8 @@ class BatchProcessor(RunQueue, Worker):
         except asyncio.CancelledError:
             self._withdraw_own(group, start, stop)
             if expired:
-                raise DeadlineExceeded(f"{self.name}: no result within the {timeout:g}s deadline") from None
+                raise DeadlineExceeded(f"{self.name}: no result within the "
+                                       f"{timeout if asked is None else asked:g}s deadline") from None
             raise
         finally:
             handle.cancel()

@@ -182,17 +182,18 @@ class Worker:
             self._fail_unfinished(batch, e, finished)
 
     def _call_fn(self, items: list, slot: WorkerSlot) -> list:
+        n = len(items)  # before the call: the function may change its list
         out = self.fn(items) if self.replicas is None else self.fn(items, replica=slot.replica)
         if inspect.isawaitable(out):  # an async function: run it on the worker's own loop
             if slot.loop is None:
                 slot.loop = asyncio.new_event_loop()
             out = slot.loop.run_until_complete(out)  # usable again after any error, SystemExit too
         if not hasattr(out, "__len__") or not hasattr(out, "__getitem__") or isinstance(out, (str, bytes, dict)):
-            raise BatchSizeMismatch(f"{self.name} returned {type(out).__name__}, not a list of {len(items)} results")
+            raise BatchSizeMismatch(f"{self.name} returned {type(out).__name__}, not a list of {n} results")
         if type(out) is not list:  # here, so that a sequence that cannot be read fails as the function
             out = list(out)
-        if len(out) != len(items):
-            raise BatchSizeMismatch(f"{self.name} returned {len(out)} results for a batch of {len(items)} items")
+        if len(out) != n:
+            raise BatchSizeMismatch(f"{self.name} returned {len(out)} results for a batch of {n} items")
         return out
 
     def _process(self, runs: list[_Run], finished: list[_Group], slot: WorkerSlot,
@@ -201,7 +202,9 @@ class Worker:
         largest count the function ran without error (a split runs several). `started`: when the
         batch was taken (given once per batch, for the stats and the batch size, and not again
         for the halves of a split)."""
-        items = runs[0][ITEMS] if len(runs) == 1 else list(chain.from_iterable(map(_items_of, runs)))
+        # A list of the function's own, also for one run: a function that appended to or popped from
+        # the run's list (returning it) passed the length check, and its callers waited for ever.
+        items = list(runs[0][ITEMS]) if len(runs) == 1 else list(chain.from_iterable(map(_items_of, runs)))
         queued = list(map(_queued_of, runs))
         if started is not None:
             with self._results_lock:

@@ -123,7 +123,8 @@ class SamplingParams:
         # A top_k at least the vocabulary keeps every token: as off (a larger number than the
         # sampler's tensors hold, 1e30 from JSON, must not fail the step it runs in).
         object.__setattr__(self, "top_k", max(int(self.top_k), 0) if self.top_k < TOP_K_ALL else 0)
-        object.__setattr__(self, "seed", None if self.seed is None else int(self.seed))
+        # -1 is no seed, as vLLM reads it (its SamplingParams: "if self.seed == -1: self.seed = None").
+        object.__setattr__(self, "seed", None if self.seed is None or self.seed == -1 else int(self.seed))
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
             object.__setattr__(self, name, float(getattr(self, name)))
         for name in ("min_tokens", "top_logprobs", "n"):

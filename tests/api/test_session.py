@@ -289,3 +289,65 @@ def test_stop_token_ids_and_ignore_eos_are_options(lm):
     assert kept.text == r.text + piece, (kept.text, r.text)
     [r] = lm.batch_prompt([ask], max_tokens=16, ignore_eos=True)
     assert r.usage.completion_tokens == 16
+
+
+def test_close_on_one_thread_never_stops_the_engine_under_a_session_being_created(engine32):
+    """close() counted open sessions, then shut the engine down, while another thread's new
+    session was between getting the engine and joining it: that session's first prompt raised
+    EngineStoppedError ("this session's engine is gone"), or create() a ValueError."""
+    failures = []
+
+    def user(k: int) -> None:
+        for _ in range(6):
+            try:
+                lm = bp.LanguageModel.create(system=f"Be terse {k}.", model=engine32, max_tokens=1)
+                lm.prompt("hi")
+                lm.close()
+            except Exception as e:  # noqa: BLE001 - collected for the assertion
+                failures.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=user, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not any(t.is_alive() for t in threads)
+    assert failures == []
+
+
+def test_async_waits_inside_a_callback_wait_for_the_results_only(lm):
+    """wait() inside a callback waits for the results (the batch's other callbacks cannot run
+    until this one returns); wait_async() and `async for` waited for those callbacks: for ever."""
+    got = []
+
+    async def inner_results():
+        inner = lm.create_batch(["b", "c"])
+        inner.on_result(lambda i, r: None)
+        first = await asyncio.wait_for(inner.wait_async(), 120)
+        again = lm.create_batch(["d"])
+        again.on_result(lambda i, r: None)
+        return len(first), [i async for i, _ in again]
+
+    outer = lm.create_batch(["a"])
+    outer.on_result(lambda i, r: got.append(asyncio.run(inner_results())))
+    outer.wait(timeout=300)
+    assert got == [(2, [0])]
+
+
+def test_a_bad_errors_option_is_refused_before_the_wait(lm):
+    batch = lm.create_batch(["a", "b"])
+    with pytest.raises(ValueError, match="errors must be 'return'"):
+        batch.wait(errors="bogus")
+    assert not batch.done  # it ran the whole batch, then raised
+    with pytest.raises(ValueError, match="errors must be 'return'"):
+        asyncio.run(batch.wait_async(errors="bogus"))
+    batch.cancel()
+
+
+def test_seed_minus_one_is_no_seed_as_in_vllm():
+    assert bp.SamplingParams(seed=-1).seed is None and bp.SamplingParams(seed=-2).seed == -2
+
+
+def test_a_negative_shutdown_timeout_is_refused():
+    with pytest.raises(ValueError, match="timeout must be a number of seconds >= 0"):
+        bp.shutdown(timeout=-1)

@@ -337,3 +337,63 @@ def test_a_call_from_inside_its_own_batch_is_refused_and_the_batcher_lives_on():
         return [doubled(x) for x in items]
 
     assert chained(5) == 10
+
+
+def test_batched_functions_that_call_each_other_in_a_circle_are_refused_and_live_on():
+    """a -> b -> a: each batcher's worker waited on the other's for ever (a timeout gave
+    DeadlineExceeded, and both batchers were dead from then on)."""
+    @bp.dynamically(batch_size=4, timeout_ms=1)
+    def a(items):
+        return [b(x - 1) if x > 0 else "a" for x in items]
+
+    @bp.dynamically(batch_size=4, timeout_ms=1)
+    def b(items):
+        return [a(x - 1) if x > 0 else "b" for x in items]
+
+    with pytest.raises(RuntimeError, match=r"\.a was called from inside .*\.b's batch, while .*\.a's own batch waits"):
+        a(2, timeout=LIMIT_S)
+    assert (a(0, timeout=LIMIT_S), b(0, timeout=LIMIT_S), a(1, timeout=LIMIT_S)) == ("a", "b", "b")
+
+    @bp.dynamically(batch_size=4, timeout_ms=1)
+    async def c(items):
+        return [await d.acall(x) for x in items]
+
+    @bp.dynamically(batch_size=4, timeout_ms=1)
+    async def d(items):
+        return [await c.acall(x - 1) if x > 0 else "d" for x in items]
+
+    async def run(x):
+        return await c.acall(x, timeout=LIMIT_S)
+
+    assert asyncio.run(run(0)) == "d"
+    with pytest.raises(RuntimeError, match="each would wait for the other for ever"):
+        asyncio.run(run(1))
+
+
+@pytest.mark.parametrize("change", ["append", "pop"])
+def test_a_function_that_changes_its_list_and_returns_it_is_a_size_mismatch(change):
+    """The length check read the list after the function had changed it: a result too many or
+    too few passed it, and the callers waited for ever (or got an unrelated IndexError)."""
+    @bp.dynamically(batch_size=8, timeout_ms=1)
+    def f(items):
+        items.append("extra") if change == "append" else items.pop()
+        return items
+
+    for call in (lambda: f.many([1, 2, 3], timeout=LIMIT_S), lambda: f(1, timeout=LIMIT_S),
+                 lambda: asyncio.run(f.amany([1, 2], timeout=LIMIT_S))):
+        with pytest.raises(bp.BatchSizeMismatch):
+            call()
+
+
+def test_an_async_deadline_names_the_timeout_given():
+    """It named what was left of it when the call waited: 'within the -0.004s deadline'."""
+    @bp.dynamically(batch_size=1, timeout_ms=1, max_queue=1, block_when_full=True)
+    async def slow(items):
+        await asyncio.sleep(0.5)
+        return items
+
+    async def run():
+        return await asyncio.gather(*(slow.acall(i, timeout=0.2) for i in range(3)), return_exceptions=True)
+
+    errors = [r for r in asyncio.run(run()) if isinstance(r, bp.DeadlineExceeded)]
+    assert errors and all("0.2s deadline" in str(e) for e in errors), errors
