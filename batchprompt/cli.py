@@ -14,6 +14,7 @@ from pathlib import Path
 EXIT_OK, EXIT_ROWS_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_STORAGE = 3  # the journal or an output could not be written (a full disk); resumable
 EXIT_TERMINATED = 143  # SIGTERM, as a shell reports it (128 + 15); resumable
+EXIT_BROKEN_PIPE = 141  # the reader of -o - closed it (128 + SIGPIPE), as `cmd | head` ends cmd
 
 RUN_HELP = """\
 Run every row of INPUT through the model and write one result per row.
@@ -293,6 +294,9 @@ def run_command(args: argparse.Namespace) -> int:
     except StorageError as e:
         print(f"batchprompt: error: {e}", file=sys.stderr)
         return EXIT_STORAGE
+    except BrokenPipeError:  # `-o - | head -1`: the reader left (the journal keeps every row), as SIGPIPE ends a tool
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error flushing stdout at exit
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt as e:  # during loading: nothing computed yet
         signum = getattr(e, "signum", signal.SIGINT)
         print(f"\n{'stopped by SIGTERM' if signum == signal.SIGTERM else 'interrupted'} before any row ran",

@@ -117,7 +117,7 @@ def detect_format(path: str) -> str:
     if suffix in (".parquet", ".pq"):
         return "parquet"
     raise InputError(f"{path}: unknown input format {suffix!r}; use .jsonl (OpenAI batch or plain "
-                     f"prompt/messages lines), .csv or .parquet (with --column)")
+                     f"prompt/messages lines), .csv, .tsv or .parquet (with --column)")
 
 
 def read_input(path: str, column: str | None = None, stdin=None) -> Table:
@@ -129,9 +129,12 @@ def read_input(path: str, column: str | None = None, stdin=None) -> Table:
         raw = (stdin or __import__("sys").stdin.buffer).read()
     else:
         p = Path(path)
-        if not p.is_file():
+        if not p.exists():  # a FIFO (`<(zcat in.jsonl.gz)`) is read as a file is
             raise InputError(f"{path}: no such input file")
-        raw = p.read_bytes()
+        try:
+            raw = p.read_bytes()
+        except OSError as e:  # no read permission: a PermissionError traceback, exit 1
+            raise InputError(f"{path}: cannot read it ({e.strerror})") from None
     if fmt == "jsonl":
         if column:
             raise InputError("--column applies to CSV and Parquet input, not JSONL")
@@ -188,7 +191,8 @@ def _read_table(raw: bytes, fmt: str, path: str, column: str | None = None):
             parquet = pq.ParquetFile(pa.BufferReader(raw), pre_buffer=False)
             _check_names(parquet.schema_arrow.names, path)
             return parquet.read(use_threads=False)
-        delimiter = "\t" if path.lower().endswith(".tsv") else ","
+        tsv = path.lower().endswith(".tsv")
+        delimiter = "\t" if tsv else ","
 
         def read(block_size: int | None = None):
             # Not checking UTF-8 here keeps text columns text (checked, pyarrow would turn a column
@@ -198,7 +202,9 @@ def _read_table(raw: bytes, fmt: str, path: str, column: str | None = None):
             # 00501 came back 501, 1.50 as 1.5, NA empty; and a column of numbers with a word
             # after the first block failed the whole file).
             read_options = pacsv.ReadOptions(block_size=block_size, use_threads=False)
-            parse_options = pacsv.ParseOptions(delimiter=delimiter)
+            # A TSV has no quoting (IANA's text/tab-separated-values; what cut and awk read): a cell
+            # starting with '"' merged the next lines into it (5,574 SMS read as 5,572, silently).
+            parse_options = pacsv.ParseOptions(delimiter=delimiter, quote_char=False if tsv else '"')
             names = _header(raw, block_size, parse_options)
             _check_names(names, path)
             types = {name: pa.string() for name in names}

@@ -28,7 +28,7 @@ from .journal import Journal, record_json
 from .lock import JobLock
 from .live_rate import LiveRate
 from .rows import CHAT, COMPLETION, InputError, Row, RowError, Table, max_tokens_field, max_tokens_name, read_input
-from .storage import StorageError, write_atomic
+from .storage import StorageError, is_stream, write_atomic
 
 log = logging.getLogger("batchprompt")
 
@@ -126,7 +126,14 @@ def _duration(s: float) -> str:
 
 
 def default_errors_path(output: str) -> str | None:
-    return None if output == "-" else output + ".errors.jsonl"
+    """Beside the output; None (errors to stderr) for stdout or another stream (/dev/null)."""
+    return None if _streamed(output) else output + ".errors.jsonl"
+
+
+def _streamed(output: str) -> bool:
+    """Stdout, or a path that is no regular file (/dev/null, a FIFO): its journal is kept in the
+    cache, as stdout's is, and its errors go to stderr (/dev/null.journal was made in /dev)."""
+    return output == "-" or is_stream(output)
 
 
 def _takes_system(row: Row) -> bool:
@@ -197,6 +204,10 @@ def _model_named(model: str | None) -> str | None:
 def check_writable(path: str, what: str = "the output") -> None:
     if path == "-":
         return
+    if is_stream(path):  # written through, never replaced: its folder need not be writable
+        if not os.access(path, os.W_OK):
+            raise InputError(f"{path}: cannot write {what} there (permission denied)")
+        return
     if Path(path).is_dir():
         raise InputError(f"{path}: cannot write {what} there: it is a folder; give a file name, "
                          f"such as {Path(path) / 'output.jsonl'}")
@@ -215,7 +226,7 @@ def check_distinct(paths: dict[str, str | Path | None]) -> None:
     written over the input, or errors over the output, would lose rows that ran."""
     seen: list[tuple[str, str | Path, str]] = []
     for what, path in paths.items():
-        if path is None or str(path) == "-":
+        if path is None or str(path) == "-" or (what != "input" and is_stream(path)):  # -o /dev/null --errors /dev/null
             continue
         real = os.path.realpath(path)
         for other, other_path, other_real in seen:
@@ -432,7 +443,7 @@ class JobRun:
                                  f"output: rename that column, or write OpenAI lines (--format openai)")
         errors_path = opts.errors or default_errors_path(opts.output)
         fp, settings, legacy_fp = fingerprint(table.raw, opts, table.rows)
-        journal_path = opts.journal or (cache_dir() / "jobs" / f"{fp[:16]}.sqlite" if opts.output == "-"
+        journal_path = opts.journal or (cache_dir() / "jobs" / f"{fp[:16]}.sqlite" if _streamed(opts.output)
                                         else opts.output + ".journal")
         check_distinct({"input": opts.input, "output (-o)": opts.output, "errors file (--errors)": errors_path,
                         "journal (--journal)": journal_path})
@@ -484,12 +495,13 @@ class JobRun:
             summary.already_complete = True
             summary.prompt_tokens, summary.completion_tokens = journal.token_counts()
             # Where each row is (it said "12 rows in out.jsonl" of a job with 10 rows in its errors file).
-            where = ("written again to stdout from the journal" if opts.output == "-" else
-                     f"in {opts.output}" if not summary.failed else
+            streamed = _streamed(opts.output)
+            where = (f"written again to {'stdout' if opts.output == '-' else opts.output} from the journal"
+                     if streamed else f"in {opts.output}" if not summary.failed else
                      f"({summary.ok} in {opts.output}, {summary.failed} in {errors_path})")
             self.say(f"already complete: {summary.rows} rows {where} (journal {journal.path}); nothing "
                      f"to run (use --restart to run it again)")
-            if opts.output == "-":
+            if streamed:  # a stream keeps nothing: what it is given again is the answer
                 self._write_outputs(table, journal, errors_path)
             return summary
         if done:
@@ -581,7 +593,7 @@ class JobRun:
         """The output (and errors) file are there, with a line per row the journal has for each
         (JSONL): one deleted, emptied or overwritten since is written again from the journal (an
         output overwritten with other text was reported "already complete")."""
-        if self.opts.output == "-":
+        if _streamed(self.opts.output):
             return True
         ok, answered = journal.counts()
         wanted = [(Path(self.opts.output), ok)] + ([(Path(errors_path), answered - ok)] if errors_path else [])
@@ -784,8 +796,10 @@ class JobRun:
             write = lambda f: pq.write_table(out, f)  # noqa: E731
         else:
             import pyarrow.csv as pacsv
-            options = pacsv.WriteOptions(delimiter=_table_delimiter(self.opts.output, self.opts.input))
-            write = lambda f: pacsv.write_csv(out, f, options)  # noqa: E731
+            if _table_delimiter(self.opts.output, self.opts.input) == "\t":
+                write = lambda f: write_tsv(out, f)  # noqa: E731
+            else:
+                write = lambda f: pacsv.write_csv(out, f)  # noqa: E731
         if self.opts.output == "-":
             write(_stdout().buffer)
             _stdout().buffer.flush()
@@ -818,6 +832,22 @@ def _table_delimiter(output: str, input_path: str) -> str:
     name = output.lower()
     tsv = name.endswith(".tsv") or (not name.endswith(".csv") and input_path.lower().endswith(".tsv"))
     return "\t" if tsv else ","
+
+
+def write_tsv(table, f) -> None:
+    """`table` as a TSV, read as one (no quoting): each row one line, cells as they came, but a
+    tab, newline or carriage return in a cell (an answer's, or a CSV or Parquet cell's) written
+    as \\t, \\n, \\r, which TSV cannot hold otherwise."""
+    import pyarrow as pa
+
+    def cell(v) -> str:
+        return "" if v is None else v.replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
+
+    columns = [c if pa.types.is_string(c.type) or pa.types.is_large_string(c.type) else c.cast(pa.string())
+               for c in table.columns]
+    f.write(("\t".join(map(cell, table.column_names)) + "\n").encode("utf-8"))
+    for row in zip(*(c.to_pylist() for c in columns)):
+        f.write(("\t".join(map(cell, row)) + "\n").encode("utf-8"))
 
 
 def _unwritable_as_csv(table) -> str | None:

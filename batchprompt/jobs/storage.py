@@ -12,6 +12,7 @@ import errno
 import os
 import secrets
 import sqlite3
+import stat
 from pathlib import Path
 from typing import BinaryIO, Callable
 
@@ -49,9 +50,27 @@ class StorageError(Exception):
         return f"{what}{kept}. {fix}, then run the same command again to resume (finished rows do not run again)"
 
 
+def is_stream(path: str | Path) -> bool:
+    """Whether `path` is there and no regular file (through links): /dev/null, a FIFO, a terminal.
+    Such a path is written through as a stream, never replaced (as root, `-o /dev/null` made
+    /dev/null a regular file; a FIFO's reader got nothing and waited)."""
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
 def write_atomic(path: str | Path, fill: Callable[[BinaryIO], None]) -> None:
-    """Replace `path` by what `fill` writes to the binary file it is given, all or nothing."""
-    dest = Path(path)
+    """Replace the file at `path` (through links: the link stays) by what `fill` writes to the
+    binary file it is given, all or nothing; a stream (`is_stream`) is written through."""
+    if is_stream(path):
+        try:
+            with open(path, "wb") as f:
+                fill(f)
+        except OSError as e:
+            raise StorageError.from_os(Path(path), e) from None
+        return
+    dest = Path(os.path.realpath(path))  # a link to the output was replaced by a file of its own
     fd, tmp = _create_temp(dest)
     try:
         with os.fdopen(fd, "wb") as f:

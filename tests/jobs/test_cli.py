@@ -705,3 +705,69 @@ def test_one_row_is_one_row():
 
     assert str(Summary(rows=1, ok=1)).startswith("1 row: 1 ok, 0 failed")
     assert str(Summary(rows=2, ok=2)).startswith("2 rows: 2 ok")
+
+
+@pytest.mark.slow
+def test_an_output_through_a_link_or_a_fifo_is_written_through_not_replaced(tmp_path):
+    """write_atomic replaced whatever was at the path: a link to the output became a file of its
+    own (the file it pointed to kept its old text), a FIFO's reader got nothing and waited, and
+    `-o /dev/null`, as root, made /dev/null a regular file (its journal and errors file in /dev)."""
+    import threading
+
+    inp = tmp_path / "in.jsonl"
+    ids = write_sms_batch(inp, 3)
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "target.jsonl").write_text("old\n")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(real / "target.jsonl")
+    assert main(["run", str(inp), "-o", str(link), "--max-tokens", "1", "--no-progress"]) == 0
+    assert link.is_symlink() and [o["custom_id"] for o in parse_outputs(real / "target.jsonl")] == ids
+
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    assert main(["run", str(inp), "-o", str(fifo), "--max-tokens", "1", "--no-progress"]) == 0
+    reader.join(60)
+    assert [json.loads(x)["custom_id"] for x in got[0].decode().splitlines()] == ids
+    assert fifo.is_fifo()
+    # Its journal is kept in the cache, as stdout's is: none beside the stream.
+    assert not Path(str(fifo) + ".journal").exists() and not Path(str(fifo) + ".errors.jsonl").exists()
+
+
+def test_an_input_that_cannot_be_read_is_one_error(tmp_path, capsys, monkeypatch):
+    """No read permission gave a PermissionError traceback and exit 1 (root reads any file, so
+    the refusal is made here as the file system would make it)."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "hi"}\n')
+    real_read = Path.read_bytes
+
+    def read_bytes(self):
+        if self == inp:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_read(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    refused_before_any_work(capsys, inp, tmp_path / "o.jsonl", message=f"{inp}: cannot read it (Permission denied)")
+
+
+@pytest.mark.slow
+def test_a_reader_that_closes_stdout_ends_the_job_quietly(tmp_path):
+    """`-o - | head -1` printed a BrokenPipeError traceback and exited 1 ("some rows failed")."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"custom_id": f"r{i}-" + "x" * 400, "method": "POST", "url": CHAT,
+                                       "body": {"messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 1}})
+                           + "\n" for i in range(300)))  # 130 KB of output: more than a pipe holds
+    err_file = tmp_path / "stderr.txt"
+    with open(err_file, "wb") as err_out:
+        proc = subprocess.Popen([sys.executable, "-m", "batchprompt", "run", str(inp), "-o", "-", "--no-progress"],
+                                stdout=subprocess.PIPE, stderr=err_out, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        first = proc.stdout.readline()
+        proc.stdout.close()
+        rc = proc.wait(timeout=300)
+    err = err_file.read_text()
+    assert rc == 141, err
+    assert json.loads(first)["custom_id"] == "r0-" + "x" * 400
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

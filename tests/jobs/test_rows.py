@@ -221,6 +221,32 @@ def test_an_upper_case_tsv_is_read_with_tabs(tmp_path):
     assert read_input(str(p), "text").table.to_pydict() == {"text": ["hi"], "zip": ["007"]}
 
 
+def test_a_tsv_is_read_without_quoting(tmp_path):
+    """A cell that starts with '"' was read as CSV quoting: it swallowed the lines after it into
+    one prompt (the SMS set's 5,574 rows read as 5,572), and a cell's quotes were dropped."""
+    p = tmp_path / "in.tsv"
+    p.write_text('label\ttext\nham\t"Wen u miss someone..." gdeve..\nham\t"unclosed, it took the next line\n'
+                 'spam\tWin a "prize"\n')
+    rows = read_input(str(p), "text").rows
+    assert [r.messages[0]["content"] for r in rows] == ['"Wen u miss someone..." gdeve..',
+                                                       '"unclosed, it took the next line', 'Win a "prize"']
+
+
+def test_a_tsv_is_written_as_one_is_read(tmp_path):
+    """Each row one line and each cell as it came; the tabs and line breaks TSV cannot hold
+    (in an answer, or in a CSV cell) are written as \\t, \\n and \\r."""
+    import pyarrow as pa
+
+    from batchprompt.jobs.run import write_tsv
+
+    table = pa.table({"text": ['say "hi"', "a\tb", None], "n": [1, 2, 3], "result": ["x\ny\r", "", "ok"]})
+    out = tmp_path / "out.tsv"
+    with open(out, "wb") as f:
+        write_tsv(table, f)
+    assert out.read_text() == 'text\tn\tresult\nsay "hi"\t1\tx\\ny\\r\na\\tb\t2\t\n\t3\tok\n'
+    assert read_input(str(out), "text").table.num_rows == 3
+
+
 def test_a_csv_cell_larger_than_a_read_block_is_read(tmp_path):
     # A 2 MB cell stopped the whole job: "straddling object straddles two block boundaries".
     big = "hello world " * 175_000
