@@ -86,7 +86,8 @@ class OutputSpec:
                              f"{len(ids[longest])}")
         if params.min_tokens > len(ids[longest]):  # it met the label's length as "max_tokens (1)"
             raise ValueError(f"choices: min_tokens ({params.min_tokens}) is more than the longest label "
-                             f"({len(ids[longest])} tokens): an answer is one label; lower min_tokens or leave it out")
+                             f"({len(ids[longest])} token{'' if len(ids[longest]) == 1 else 's'}): an answer is one label; "
+                             f"lower min_tokens or leave it out")
         if self.choice_mode == "score":
             if params.logprobs:  # it gave logprobs=[] silently
                 raise ValueError("logprobs are not available with choice_mode='score': each label's probability "

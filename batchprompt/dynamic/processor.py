@@ -88,6 +88,7 @@ class BatchProcessor(RunQueue, Worker):
         self._slots = _worker_slots(workers, replicas)
         self.workers = len(self._slots)
         self._replica_factory = replicas if callable(replicas) else None
+        self._factory_failures: set[tuple[int, type]] = set()  # (slot, error type) already logged
         lock = self._lock = new_lock()
         self._cond = threading.Condition(lock)  # the workers wait here for items
         self._room = threading.Condition(lock)  # callers wait here for queue room (block_when_full)

@@ -68,7 +68,14 @@ class Worker:
             try:
                 slot.replica = self._replica_factory(slot.index)
             except BaseException as e:  # noqa: BLE001 - the callers get the factory's error (the next
-                self._died(slot, e, None, finished)  # call tries again); not a defect of the batcher
+                # call tries again); not a defect of the batcher. Said once per slot and kind of error:
+                # a slot whose replica failed left the others to do its work without a word.
+                if (slot.index, type(e)) not in self._factory_failures:
+                    self._factory_failures.add((slot.index, type(e)))
+                    log.warning("%s: replicas(%d) raised %s: %s; worker %d does not run until a later call's "
+                                "replicas(%d) succeeds", self.name, slot.index, type(e).__name__, e, slot.index,
+                                slot.index)
+                self._died(slot, e, None, finished)
                 return
         try:
             while True:

@@ -66,7 +66,7 @@ def test_an_output_cut_inside_a_character_is_judged_on_the_text_written(engine32
 
 def test_min_tokens_beyond_the_longest_label_names_the_labels(lm):
     """It said "min_tokens must be ... from 0 to max_tokens (1)" where the caller gave max_tokens=10."""
-    with pytest.raises(ValueError, match=r"min_tokens \(5\) is more than the longest label \(1 tokens\)"):
+    with pytest.raises(ValueError, match=r"min_tokens \(5\) is more than the longest label \(1 token\)"):
         lm.batch_prompt(["x"], choices=["yes", "no"], min_tokens=5, max_tokens=10)
 
 

@@ -129,3 +129,23 @@ def test_worker_options_are_checked():
         bp.dynamically(replicas=[])
     with pytest.raises(ValueError, match="a list .* or a factory"):
         bp.dynamically(replicas="cuda:0")
+
+
+def test_a_replica_that_cannot_be_made_is_said_once(caplog):
+    """replicas(1) raising left worker 0 to do everything without a word, and was tried again
+    on each later call (a model load that runs out of memory, every time)."""
+    def factory(i):
+        if i == 1:
+            raise RuntimeError("no cuda:1")
+        return f"r{i}"
+
+    @bp.dynamically(replicas=factory, workers=2, timeout_ms=1)
+    def f(items, replica):
+        return [(x, replica) for x in items]
+
+    with caplog.at_level("WARNING", logger="batchprompt"):
+        for _ in range(3):
+            assert f.many([1, 2, 3], timeout=LIMIT_S) == [(1, "r0"), (2, "r0"), (3, "r0")]
+    said = [r.getMessage() for r in caplog.records if "replicas(1) raised" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith(".f: replicas(1) raised RuntimeError: no cuda:1; worker 1 does not "
+                                               "run until a later call's replicas(1) succeeds"), said
