@@ -131,7 +131,7 @@ def default_errors_path(output: str) -> str | None:
 
 
 def _streamed(output: str) -> bool:
-    """Stdout, or a path that is no regular file (/dev/null, a FIFO): its journal is kept in the
+    """Stdout, or a stream's path (storage.is_stream: /dev/null, a FIFO): its journal is kept in the
     cache, as stdout's is, and its errors go to stderr (/dev/null.journal was made in /dev)."""
     return output == "-" or is_stream(output)
 

@@ -51,13 +51,14 @@ class StorageError(Exception):
 
 
 def is_stream(path: str | Path) -> bool:
-    """Whether `path` is there and no regular file (through links): /dev/null, a FIFO, a terminal.
+    """Whether `path` is a character device or a FIFO (through links): /dev/null, a terminal, a pipe.
     Such a path is written through as a stream, never replaced (as root, `-o /dev/null` made
     /dev/null a regular file; a FIFO's reader got nothing and waited)."""
     try:
-        return not stat.S_ISREG(os.stat(path).st_mode)
+        mode = os.stat(path).st_mode
     except OSError:
         return False
+    return stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)
 
 
 def write_atomic(path: str | Path, fill: Callable[[BinaryIO], None]) -> None:
