@@ -354,6 +354,8 @@ def row_params(row: Row, opts: JobOptions) -> tuple[SamplingParams, int]:
     logprobs, top = _logprobs(row)
     extra = {k: b[k] for k in SAMPLING_FIELDS if b.get(k) is not None}
     best_of = extra.get("best_of")
+    if isinstance(best_of, int) and not isinstance(best_of, bool) and best_of < n:  # 400 at OpenAI and vLLM
+        raise ValueError(f"best_of must be >= n ({n}), got {best_of}")
     if isinstance(best_of, int) and best_of > 1 and n > 1:
         raise ValueError(f"best_of other than n is supported only with n = 1 (got n={n}, best_of={best_of}): "
                          f"give n alone, or best_of with n = 1")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -113,9 +114,24 @@ def _as_lark(text: str) -> str:
     if "::=" not in text or is_lark_syntax(text):
         return text
     try:
-        return gbnf_to_lark(text)
+        return gbnf_to_lark(_unicode_escapes_as_bytes_or_text(text))
     except Exception as e:  # noqa: BLE001 - GbnfToLarkError, and a plain Exception for a rule not defined
         raise ValueError(f"the grammar reads as GBNF (it has '::=') but does not convert to Lark: {e}") from None
+
+
+#: A GBNF \uXXXX or \UXXXXXXXX escape (not itself escaped: an even run of backslashes before it).
+_UNICODE_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\(?:u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8}))")
+
+
+def _unicode_escapes_as_bytes_or_text(gbnf: str) -> str:
+    """GBNF's \\u00e9 and \\U0001F600 as llguidance's converter reads them: it drops their
+    leading zeros (\\ue9, a lexer error), so "\\u00e9" was refused. A code point up to 0xFF
+    becomes \\xHH, which it keeps; a larger one (never a character GBNF gives a meaning) the
+    character itself."""
+    def sub(m: re.Match) -> str:
+        code = int(m.group(2) or m.group(3), 16)
+        return m.group(1) + (f"\\x{code:02x}" if code <= 0xFF else chr(code))
+    return _UNICODE_ESCAPE.sub(sub, gbnf)
 
 
 def check_choices(labels: Sequence[str]) -> list[str]:

@@ -45,6 +45,7 @@ def test_completion_logprobs_k_means_top_k():
     ({"presence_penalty": 3}, "presence_penalty must be a number from -2 to 2"),
     ({"logit_bias": {"7": 500}}, "logit_bias values must be numbers from -100 to 100"),
     ({"best_of": 3, "n": 2}, "best_of other than n is supported only with n = 1 \\(got n=2, best_of=3\\)"),
+    ({"best_of": 1, "n": 2}, "best_of must be >= n \\(2\\), got 1"),  # two choices, where OpenAI and vLLM give a 400
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be an integer from 0 to 20"),
     # A TypeError, taken for a bug of batchprompt's: the row was never journaled, and the job
     # could not end.

@@ -35,9 +35,22 @@ def test_problems_are_found_without_a_tokenizer(grammar, message):
     Grammar.regex(r"(spam|ham) \([0-9]{1,2}%\)"),
     Grammar.regex("a{0}"),  # matches only the empty text: an answer all the same
     Grammar.regex("a{100000}"),  # large, within the lexer's limits
+    # GBNF's \u and \U escapes, which llguidance's converter turned into \ue9 (a lexer error): refused
+    Grammar.lark('root ::= "\\u00e9" [\\u00e0-\\u00ff]+ "\\U0001F600"'),
     Grammar.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}),
     Grammar.json_object(),
     Grammar.lark('start: "yes" | "no" <[2]>'),  # token ids are the engine's to check, with its vocabulary
 ])
 def test_usable_grammars_pass(grammar):
     assert grammar_problem(grammar) is None
+
+
+def test_gbnf_unicode_escapes_match_their_characters():
+    from llguidance import LLMatcher
+
+    from batchprompt.structured.validate import _byte_tokenizer
+
+    grammar = Grammar.lark('root ::= "\\u00e9" [\\u00e0-\\u00ff]+ "\\U0001F600" [\\u4e00-\\u9fff] "\\\\u00e9"')
+    for text, ok in (("éàÿ😀中\\u00e9", True), ("e\u00e0😀中\\u00e9", False), ("éà😀中é", False)):
+        m = LLMatcher(_byte_tokenizer(), grammar.to_llguidance(), log_level=0)
+        assert (all(m.consume_token(b) for b in text.encode()) and m.is_accepting()) == ok, text
