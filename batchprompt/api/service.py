@@ -534,7 +534,7 @@ def get_service(model: str | LLMEngine | None = None, *, device: str = "auto", d
     else:
         from ..models import resolve_model
         source = resolve_model(model)  # fails fast, with the user's spelling, on an unknown model
-        key = (str(source.path), device, str(dtype))
+        key = (str(source.path), *_engine_key(device, dtype))
     with _services_lock:
         service = _services.get(key)
         if service is None or service.stopped:
@@ -554,6 +554,19 @@ def get_service(model: str | LLMEngine | None = None, *, device: str = "auto", d
                 f"call bp.shutdown() first (it ends the sessions on that engine), or leave engine_options out "
                 f"to share the running engine")
         return service
+
+
+def _engine_key(device: str, dtype: str) -> tuple[str, str]:
+    """The device and dtype an engine runs with, as resolved: "auto" and "cpu" (or "bfloat16" where
+    "auto" picks it) each built an engine of their own, with a second copy of the weights."""
+    from ..device import resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    if dev.type == "cuda" and dev.index is None:
+        import torch
+
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return str(dev), str(resolve_dtype(dtype, dev))
 
 
 def _same_config(asked: EngineConfig, engine: LLMEngine) -> bool:

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 import batchprompt as bp
 from batchprompt.api.service import EngineService
@@ -94,3 +95,23 @@ def test_the_models_own_context_given_as_max_model_len_is_no_change():
             bp.batch_prompt(["hi"], engine_options={**small, "max_model_len": 4096}, max_tokens=2)
     finally:
         bp.shutdown()
+
+
+def test_one_engine_per_model_whatever_the_spelling_of_its_device_and_dtype():
+    """The registry was keyed by the spelling: device "auto" and "cpu" (and dtype "auto" and the
+    dtype it picks) each built an engine, with its own copy of the weights and KV cache."""
+    from batchprompt.api import service as svc
+    from batchprompt.device import resolve_dtype
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # what "auto" picks
+    picked = str(resolve_dtype("auto", torch.device(device))).removeprefix("torch.")
+    sessions = [bp.LanguageModel.create(device=d, dtype=t, max_tokens=1)
+                for d, t in (("auto", "auto"), (device, "auto"), ("auto", picked), (device, picked))]
+    try:
+        assert len({id(s.backend) for s in sessions}) == 1
+        assert sessions[0].engine is sessions[3].engine
+        assert sessions[1].prompt("hi") is not None
+    finally:
+        for s in sessions:
+            s.close()
+    assert not any("auto" in k for k in svc._services)

@@ -437,7 +437,7 @@ def test_dtype_context_and_kv_size_reach_the_engine(tmp_path):
     from batchprompt.models import resolve_model
     from batchprompt.runner.kv_tensors import KVTensors
 
-    key = (str(resolve_model(None).path), "cpu", "float32")
+    key = (str(resolve_model(None).path), "cpu", "torch.float32")
     stale = svc._services.get(key)  # another test's engine under these settings would be shared
     if stale is not None:
         stale.shutdown()
