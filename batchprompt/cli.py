@@ -43,7 +43,7 @@ the same command again to resume: only unfinished rows run. One run at a time pe
 second run of the same job exits 2, naming the one that holds it. Exit status: 0 all rows ok,
 1 some rows failed, 2 bad input or options (nothing run), 3 the journal or an output could not be
 written, e.g. a full disk (resumable), 130 interrupted by Ctrl-C, 143 stopped by SIGTERM
-(both resumable).
+(both resumable), 141 the reader of -o - closed the pipe early (`| head`).
 """
 
 
