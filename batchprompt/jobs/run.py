@@ -292,6 +292,10 @@ def row_spec(row: Row, opts: JobOptions) -> OutputSpec | None:
     if not isinstance(so, dict):
         raise ValueError("structured_outputs must be an object such as {\"choice\": [...]}")
     _check_structured_keys(so)
+    if b.get("structured_outputs") is not None and not (so.get("json_object") or any(
+            so.get(k) is not None for k in STRUCTURED_KEYS if k != "json_object")):
+        # As vLLM refuses it; it ran unconstrained (or the command's --choices) and answered 200.
+        raise ValueError(f"structured_outputs names no constraint: give one of {', '.join(STRUCTURED_KEYS)}")
 
     def one(field: str, key: str):  # a constraint from guided_<kind> or structured_outputs.<key>, never both
         if b.get(field) is not None and so.get(key) is not None:

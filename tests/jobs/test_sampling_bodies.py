@@ -132,6 +132,9 @@ def test_completion_top_logprobs_in_openais_shape():
     ({"choice": ["a", "b"], "chioce": ["c"]}, r"no field 'chioce'"),
     ({"regex": "a+", "whitespace_pattern": " "}, r"^structured_outputs.whitespace_pattern is not supported"),
     ({"regex": "a+", "disable_fallback": "yes"}, r"^structured_outputs.disable_fallback must be true or false"),
+    # No constraint at all: it ran unconstrained and answered 200, where vLLM refuses it.
+    ({}, r"^structured_outputs names no constraint: give one of choice, regex, json, grammar, json_object"),
+    ({"json_object": False, "disable_fallback": True}, r"^structured_outputs names no constraint"),
 ])
 def test_a_structured_outputs_key_that_cannot_be_honoured_fails_the_row(so, match):
     # An unknown key was ignored: the row ran with no constraint and nothing said so.
