@@ -503,7 +503,8 @@ def _stop_at_exit() -> None:
         dropped = sum(s.callbacks_dropped for s in running)
         log.warning("the script ended with %d prompt%s unfinished: cancelled%s. Call wait() on a batch (or "
                     "iterate it) before the script ends to keep its results", cut, "" if cut == 1 else "s",
-                    f", without the {dropped} callback call{'' if dropped == 1 else 's'} due for them" if dropped else "")
+                    f", without the {dropped} callback call{'' if dropped == 1 else 's'} due for them"
+                    if dropped else "")
 
 
 atexit.register(_stop_at_exit)

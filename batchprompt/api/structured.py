@@ -85,9 +85,10 @@ class OutputSpec:
                              f"more than max_tokens ({params.max_tokens}): raise max_tokens to at least "
                              f"{len(ids[longest])}")
         if params.min_tokens > len(ids[longest]):  # it met the label's length as "max_tokens (1)"
+            n = len(ids[longest])
             raise ValueError(f"choices: min_tokens ({params.min_tokens}) is more than the longest label "
-                             f"({len(ids[longest])} token{'' if len(ids[longest]) == 1 else 's'}): an answer is one label; "
-                             f"lower min_tokens or leave it out")
+                             f"({n} token{'' if n == 1 else 's'}): an answer is one label; lower min_tokens or "
+                             f"leave it out")
         if self.choice_mode == "score":
             if params.logprobs:  # it gave logprobs=[] silently
                 raise ValueError("logprobs are not available with choice_mode='score': each label's probability "
