@@ -560,12 +560,14 @@ def get_service(model: str | LLMEngine | None = None, *, device: str = "auto", d
 def _engine_key(device: str, dtype: str) -> tuple[str, str]:
     """The device and dtype an engine runs with, as resolved: "auto" and "cpu" (or "bfloat16" where
     "auto" picks it) each built an engine of their own, with a second copy of the weights."""
+    import torch
+
     from ..device import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
-    if dev.type == "cuda" and dev.index is None:
-        import torch
-
+    if dev.type == "cpu":  # "cpu:0" is the CPU too
+        dev = torch.device("cpu")
+    elif dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return str(dev), str(resolve_dtype(dtype, dev))
 

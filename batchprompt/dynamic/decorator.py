@@ -119,15 +119,30 @@ class DynamicFunction:
         `max_in_flight` items are taken from `items` and not yet yielded. An item's error is
         raised at its turn and ends the iteration."""
         _check_priority(priority)
-        self._not_inside(self.processor)
-        return stream.imap(self.processor, items, max_in_flight, priority)
+        p = self.processor
+        self._not_inside(p)
+        results = stream.imap(p, items, max_in_flight, priority)
+        return results if getattr(serving, "processor", None) is None else self._waiting_through(p, results)
 
     def aimap(self, items: Iterable | AsyncIterable, *, max_in_flight: int = 1024,
               priority: int = 0) -> AsyncIterator:
         """`imap` for asyncio: `async for result in f.aimap(items)`; `items` may be an async iterable."""
         _check_priority(priority)
-        self._not_inside(self.processor)
-        return stream.aimap(self.processor, items, max_in_flight, priority)
+        p = self.processor
+        self._not_inside(p)
+        results = stream.aimap(p, items, max_in_flight, priority)
+        return results if getattr(serving, "processor", None) is None else self._awaiting_through(p, results)
+
+    def _waiting_through(self, p: BatchProcessor, results: Iterator) -> Iterator:
+        """A stream from inside a batch: its batcher waits on `p` while it is read (a circle
+        through imap deadlocked both batchers)."""
+        with self._waiting(p):
+            yield from results
+
+    async def _awaiting_through(self, p: BatchProcessor, results: AsyncIterator) -> AsyncIterator:
+        with self._waiting(p):
+            async for r in results:
+                yield r
 
     @property
     def _name(self) -> str:
@@ -140,7 +155,8 @@ class DynamicFunction:
         return contextlib.nullcontext() if caller is None else waiting(caller, p, self._name)
 
     def _not_inside(self, p: BatchProcessor) -> None:
-        """A stream (imap) from inside a batch: checked, though not counted as a wait."""
+        """A stream (imap) from inside a batch: checked when it is made (its wait is counted
+        once it is read, `_waiting_through`)."""
         caller = getattr(serving, "processor", None)
         if caller is not None:
             with waiting(caller, p, self._name):

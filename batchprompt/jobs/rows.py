@@ -126,7 +126,11 @@ def read_input(path: str, column: str | None = None, stdin=None) -> Table:
                          f".parquet file)")
     fmt = detect_format(path)
     if path == "-":
-        raw = (stdin or __import__("sys").stdin.buffer).read()
+        try:  # a closed stdin (`<&-`) is None; one open for writing only reads with EBADF
+            raw = (stdin or __import__("sys").stdin.buffer).read()
+        except (AttributeError, OSError) as e:
+            why = e.strerror if isinstance(e, OSError) else "it is closed"
+            raise InputError(f"standard input (-): cannot read it ({why})") from None
     else:
         p = Path(path)
         if not p.exists():  # a FIFO (`<(zcat in.jsonl.gz)`) is read as a file is

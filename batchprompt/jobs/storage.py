@@ -74,6 +74,10 @@ def write_atomic(path: str | Path, fill: Callable[[BinaryIO], None]) -> None:
     dest = Path(os.path.realpath(path))  # a link to the output was replaced by a file of its own
     fd, tmp = _create_temp(dest)
     try:
+        try:  # the file it replaces keeps its mode (a private 0600 output became 0644)
+            os.fchmod(fd, stat.S_IMODE(os.stat(dest).st_mode))
+        except FileNotFoundError:
+            pass
         with os.fdopen(fd, "wb") as f:
             fill(f)
             f.flush()

@@ -111,7 +111,10 @@ def _as_lark(text: str) -> str:
     which vLLM's guided_grammar takes from its examples) converted by llguidance's own tool."""
     from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
 
-    if "::=" not in text or is_lark_syntax(text):
+    # GBNF's root rule: llguidance's is_lark_syntax took a GBNF grammar with a rule named start
+    # (`start ::= ...`) for Lark, which then failed to parse.
+    gbnf_root = re.search(r"^\s*root\s*::=", text, re.MULTILINE) is not None
+    if "::=" not in text or (is_lark_syntax(text) and not gbnf_root):
         return text
     try:
         return gbnf_to_lark(_unicode_escapes_as_bytes_or_text(text))

@@ -106,7 +106,7 @@ def test_one_engine_per_model_whatever_the_spelling_of_its_device_and_dtype():
     device = "cuda" if torch.cuda.is_available() else "cpu"  # what "auto" picks
     picked = str(resolve_dtype("auto", torch.device(device))).removeprefix("torch.")
     sessions = [bp.LanguageModel.create(device=d, dtype=t, max_tokens=1)
-                for d, t in (("auto", "auto"), (device, "auto"), ("auto", picked), (device, picked))]
+                for d, t in (("auto", "auto"), (device, "auto"), ("auto", picked), (f"{device}:0", picked))]
     try:
         assert len({id(s.backend) for s in sessions}) == 1
         assert sessions[0].engine is sessions[3].engine

@@ -397,3 +397,34 @@ def test_an_async_deadline_names_the_timeout_given():
 
     errors = [r for r in asyncio.run(run()) if isinstance(r, bp.DeadlineExceeded)]
     assert errors and all("0.2s deadline" in str(e) for e in errors), errors
+
+
+def test_a_circle_through_a_stream_is_refused_too():
+    """imap/aimap from inside a batch were checked for a call of the function itself only: a
+    circle through them hung, and both batchers were dead from then on."""
+    @bp.dynamically(batch_size=8, timeout_ms=1)
+    def a(items):
+        return list(b.imap(items)) if items[0] > 0 else items
+
+    @bp.dynamically(batch_size=8, timeout_ms=1)
+    def b(items):
+        return a.many([x - 1 for x in items]) if items[0] > 0 else items
+
+    with pytest.raises(RuntimeError, match="each would wait for the other for ever"):
+        a(1, timeout=LIMIT_S)
+    assert (a(0, timeout=LIMIT_S), b(0, timeout=LIMIT_S)) == (0, 0)
+
+    @bp.dynamically(batch_size=8, timeout_ms=1)
+    async def c(items):
+        return [x async for x in d.aimap(items)] if items[0] > 0 else items
+
+    @bp.dynamically(batch_size=8, timeout_ms=1)
+    async def d(items):
+        return await c.amany([x - 1 for x in items]) if items[0] > 0 else items
+
+    async def run(x):
+        return await c.acall(x, timeout=LIMIT_S)
+
+    with pytest.raises(RuntimeError, match="each would wait for the other for ever"):
+        asyncio.run(run(1))
+    assert asyncio.run(run(0)) == 0

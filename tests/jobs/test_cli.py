@@ -723,6 +723,11 @@ def test_an_output_through_a_link_or_a_fifo_is_written_through_not_replaced(tmp_
     link.symlink_to(real / "target.jsonl")
     assert main(["run", str(inp), "-o", str(link), "--max-tokens", "1", "--no-progress"]) == 0
     assert link.is_symlink() and [o["custom_id"] for o in parse_outputs(real / "target.jsonl")] == ids
+    private = tmp_path / "private.jsonl"  # an output replaced keeps its mode (0600 became 0644)
+    private.write_text("")
+    private.chmod(0o600)
+    assert main(["run", str(inp), "-o", str(private), "--max-tokens", "1", "--no-progress"]) == 0
+    assert private.stat().st_mode & 0o777 == 0o600 and len(parse_outputs(private)) == 3
 
     fifo = tmp_path / "out.fifo"
     os.mkfifo(fifo)
@@ -751,6 +756,11 @@ def test_an_input_that_cannot_be_read_is_one_error(tmp_path, capsys, monkeypatch
 
     monkeypatch.setattr(Path, "read_bytes", read_bytes)
     refused_before_any_work(capsys, inp, tmp_path / "o.jsonl", message=f"{inp}: cannot read it (Permission denied)")
+    # Standard input closed (`<&-`), or open for writing only: an AttributeError or OSError traceback.
+    for stdin in (None, open(tmp_path / "w.txt", "wb")):
+        monkeypatch.setattr(sys, "stdin", stdin if stdin is None else io.TextIOWrapper(stdin))
+        assert main(["run", "-", "-o", str(tmp_path / "o2.jsonl")]) == 2
+        assert "standard input (-): cannot read it" in capsys.readouterr().err
 
 
 @pytest.mark.slow

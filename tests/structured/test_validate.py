@@ -24,6 +24,9 @@ from batchprompt.structured.validate import grammar_problem
     # Compiles, then the lexer gives up on the first byte: every row failed, as "refused token 2".
     (Grammar.regex("a{1000000}"), "the grammar engine stopped on it: lexer error: too many expressions"),
     (Grammar.regex("xa{1000000}"), "too many expressions"),
+    # GBNF with a rule named start was read as Lark ("Expected token '_', found '='"); llguidance's
+    # converter cannot take it (its root becomes start), and says so in GBNF's terms now.
+    (Grammar.lark('root ::= start\nstart ::= "z"'), "reads as GBNF (it has '::=') but does not convert"),
 ])
 def test_problems_are_found_without_a_tokenizer(grammar, message):
     problem = grammar_problem(grammar)
