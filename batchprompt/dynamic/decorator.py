@@ -23,12 +23,12 @@ from typing import Any, AsyncIterable, AsyncIterator, Callable, Iterable, Iterat
 
 from . import stream
 from .errors import DeadlineExceeded
+from .nesting import waiting
 from .options import call_timeout, check_options, is_int
 from .processor import BatchProcessor, QueueFull
 from .queue import too_many_for_the_queue
 from .stats import BatchStats
 from .tensors import TensorBatcher, item_length
-from .nesting import waiting
 from .waiter import Waiter
 from .worker import serving
 
@@ -66,9 +66,8 @@ class DynamicFunction:
 
     async def acall(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
         p = self._processor or self.processor
-        if getattr(serving, "processor", None) is not None:  # inside a batch (an async function's)
-            return (await self.amany((item,), priority=priority, timeout=timeout))[0]
-        if priority or timeout is not None or p.max_queue is not None:
+        # Inside a batch (an async function's), through amany's checks, as __call__ goes through many.
+        if priority or timeout is not None or p.max_queue is not None or getattr(serving, "processor", None):
             return (await self.amany((item,), priority=priority, timeout=timeout))[0]
         # The common path, kept short: join this loop turn's group, await this item's result.
         loop = _running_loop()
