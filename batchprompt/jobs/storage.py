@@ -68,6 +68,8 @@ def write_atomic(path: str | Path, fill: Callable[[BinaryIO], None]) -> None:
         try:
             with open(path, "wb") as f:
                 fill(f)
+        except BrokenPipeError:  # its reader left: as on stdout (`| head`), not a storage fault
+            raise
         except OSError as e:
             raise StorageError.from_os(Path(path), e) from None
         return

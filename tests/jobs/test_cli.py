@@ -765,19 +765,25 @@ def test_an_input_that_cannot_be_read_is_one_error(tmp_path, capsys, monkeypatch
 
 @pytest.mark.slow
 def test_a_reader_that_closes_stdout_ends_the_job_quietly(tmp_path):
-    """`-o - | head -1` printed a BrokenPipeError traceback and exited 1 ("some rows failed")."""
+    """`-o - | head -1` printed a BrokenPipeError traceback and exited 1 ("some rows failed"); a
+    FIFO's reader that left early gave exit 3, "cannot write", as a full disk does."""
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps({"custom_id": f"r{i}-" + "x" * 400, "method": "POST", "url": CHAT,
                                        "body": {"messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 1}})
                            + "\n" for i in range(300)))  # 130 KB of output: more than a pipe holds
-    err_file = tmp_path / "stderr.txt"
-    with open(err_file, "wb") as err_out:
-        proc = subprocess.Popen([sys.executable, "-m", "batchprompt", "run", str(inp), "-o", "-", "--no-progress"],
-                                stdout=subprocess.PIPE, stderr=err_out, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        first = proc.stdout.readline()
-        proc.stdout.close()
-        rc = proc.wait(timeout=300)
-    err = err_file.read_text()
-    assert rc == 141, err
-    assert json.loads(first)["custom_id"] == "r0-" + "x" * 400
-    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    for output in ("-", str(fifo)):
+        err_file = tmp_path / "stderr.txt"
+        with open(err_file, "wb") as err_out:
+            proc = subprocess.Popen([sys.executable, "-m", "batchprompt", "run", str(inp), "-o", output,
+                                     "--no-progress"], stdout=subprocess.PIPE, stderr=err_out,
+                                    env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            reader = proc.stdout if output == "-" else open(fifo, "rb")  # noqa: SIM115 - closed below
+            first = reader.readline()
+            reader.close()
+            rc = proc.wait(timeout=300)
+        err = err_file.read_text()
+        assert rc == 141, (output, err)
+        assert json.loads(first)["custom_id"] == "r0-" + "x" * 400
+        assert "Traceback" not in err and "BrokenPipe" not in err and "cannot write" not in err, err
