@@ -134,10 +134,9 @@ class EngineService(StopCounts):
         fut: Future = Future()
 
         def done(out: RequestOutput) -> None:
-            if out.error and self.stopped:  # as every call on a stopped engine: what a retry catches
-                fut.set_exception(EngineStoppedError(f"the session's system prompt cannot run: {out.error}"))
-            elif out.error:
-                fut.set_exception(ValueError(f"the session's system prompt cannot run: {out.error}"))
+            if out.error:  # on a stopped engine as every call there: what a retry catches
+                error = EngineStoppedError if self.stopped else ValueError
+                fut.set_exception(error(f"the session's system prompt cannot run: {out.error}"))
             else:
                 try:
                     fut.set_result(self.engine.pin_prefix(name, token_ids))

@@ -202,15 +202,14 @@ def _checked(option: str, grammar: Grammar) -> Grammar:
 def _checked_schema(option: str, schema: Any) -> Grammar:
     """_checked for a JSON schema, whose objects are closed: where only the closing makes it
     unusable ("minProperties": 2 with one property listed), the error says so and how to open it."""
-    grammar = Grammar.json_schema(schema, JSON_DEFAULTS)
-    problem = grammar_problem(grammar)
-    if problem is None:
-        return grammar
-    if grammar_problem(Grammar.json_schema(schema, JSON_DEFAULTS, close=False)) is None:
-        problem += ('; that is after batchprompt closed its objects ("additionalProperties": false on each object '
-                    'that lists properties and says nothing of others, as OpenAI\'s strict mode and vLLM do): '
-                    'give the object "additionalProperties": true to leave it open')
-    raise ValueError(f"bad {option} (fix it): {problem}")
+    try:
+        return _checked(option, Grammar.json_schema(schema, JSON_DEFAULTS))
+    except ValueError as e:
+        if grammar_problem(Grammar.json_schema(schema, JSON_DEFAULTS, close=False)) is not None:
+            raise
+        raise ValueError(f'{e}; that is after batchprompt closed its objects ("additionalProperties": false on '
+                         f'each object that lists properties and says nothing of others, as OpenAI\'s strict mode '
+                         f'and vLLM do): give the object "additionalProperties": true to leave it open') from None
 
 
 def _shown(label: str) -> str:

@@ -23,7 +23,7 @@ from typing import Any, AsyncIterable, AsyncIterator, Callable, Iterable, Iterat
 
 from . import stream
 from .errors import DeadlineExceeded
-from .nesting import waiting
+from .nesting import check, waiting
 from .options import call_timeout, check_options, is_int
 from .processor import BatchProcessor, QueueFull
 from .queue import too_many_for_the_queue
@@ -158,8 +158,7 @@ class DynamicFunction:
         once it is read, `_waiting_through`)."""
         caller = getattr(serving, "processor", None)
         if caller is not None:
-            with waiting(caller, p, self._name):
-                pass
+            check(caller, p, self._name)
 
     @property
     def stats(self) -> BatchStats:

@@ -25,20 +25,30 @@ def _reaches(start: Any, goal: Any) -> bool:
     return False
 
 
+def check(caller: Any, callee: Any, fn_name: str) -> None:
+    """RuntimeError if `caller`'s worker may not wait on `callee`: `callee` is `caller`, or
+    waits on it already."""
+    with _lock:
+        _check(caller, callee, fn_name)
+
+
+def _check(caller: Any, callee: Any, fn_name: str) -> None:
+    if callee is caller:
+        raise RuntimeError(f"{callee.name} was called from inside its own batch: that call would wait for "
+                           f"a batch that cannot start until this one ends. Inside it, call the function itself "
+                           f"on a list ({fn_name}.__wrapped__(items)), or another batched function")
+    if _reaches(callee, caller):
+        raise RuntimeError(f"{callee.name} was called from inside {caller.name}'s batch, while {callee.name}'s "
+                           f"own batch waits (directly or through other batched functions) on {caller.name}: "
+                           f"each would wait for the other for ever. Call the function itself on a list "
+                           f"({fn_name}.__wrapped__(items)) on one side of the circle")
+
+
 @contextmanager
 def waiting(caller: Any, callee: Any, fn_name: str) -> Iterator[None]:
-    """`caller`'s worker waits on `callee` within the block; RuntimeError if `callee` is
-    `caller` or waits on it already."""
+    """`caller`'s worker waits on `callee` within the block (after `check`)."""
     with _lock:
-        if callee is caller:
-            raise RuntimeError(f"{callee.name} was called from inside its own batch: that call would wait for "
-                               f"a batch that cannot start until this one ends. Inside it, call the function itself "
-                               f"on a list ({fn_name}.__wrapped__(items)), or another batched function")
-        if _reaches(callee, caller):
-            raise RuntimeError(f"{callee.name} was called from inside {caller.name}'s batch, while {callee.name}'s "
-                               f"own batch waits (directly or through other batched functions) on {caller.name}: "
-                               f"each would wait for the other for ever. Call the function itself on a list "
-                               f"({fn_name}.__wrapped__(items)) on one side of the circle")
+        _check(caller, callee, fn_name)
         _waits.setdefault(caller, Counter())[callee] += 1
     try:
         yield

@@ -233,15 +233,15 @@ class RayCluster:
 
         need = {"CPU": float(self.replica_cpus), "GPU": float(self.replica_gpus)}
         nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        if not nodes:
+            return
         have = ", ".join(f"{r.get('CPU', 0):g} CPU / {r.get('GPU', 0):g} GPU" for r in nodes)
-        if nodes and any(all(r.get(k, 0.0) >= v for k, v in need.items()) for r in nodes):
+        if any(all(r.get(k, 0.0) >= v for k, v in need.items()) for r in nodes):
             if any(need.values()):  # how many fit at once: the rest started without a word, and waited
                 fit = sum(int(min(r.get(k, 0.0) // v for k, v in need.items() if v > 0)) for r in nodes)
                 if fit < self.replicas:
                     log.warning("the Ray cluster holds %d of the %d replicas asked for at once (its nodes have: "
                                 "%s); the others wait for room", fit, self.replicas, have)
-            return
-        if not nodes:
             return
         raise ClusterError(f"no node of the Ray cluster can hold a replica of {need['CPU']:g} CPU and "
                            f"{need['GPU']:g} GPU (its nodes have: {have}); lower --replica-cpus/--replica-gpus "
