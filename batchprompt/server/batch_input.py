@@ -1,7 +1,7 @@
 """A batch's input file, checked as OpenAI's Batch API checks it.
 
 A line that is not a request of the batch (not UTF-8, not JSON, no custom_id, another
-endpoint, no body, a custom_id seen before, a model this server does not run) fails the whole
+endpoint, no body, a custom_id seen before, a model this server does not run, stream: true) fails the whole
 batch: its `errors` name every such line, and nothing runs. A request whose body is wrong in
 itself (no messages, n of 0, a bad response_format) is that request's error only: it goes to the
 error file, as OpenAI answers it with a 400, and the others run."""
@@ -116,6 +116,9 @@ def _request_problem(n: int, obj: dict, endpoint: str, model_id: str, models: se
     body = obj.get("body")
     if not isinstance(body, dict):
         return "missing_body", f"line {n}: the line needs a body object (the request)", "body"
+    if body.get("stream"):  # OpenAI's Batch API refuses it as it validates the file
+        return ("invalid_request", f"line {n}: a batch request cannot stream (stream: true): its result goes to "
+                                   f"the batch's output file; remove stream and stream_options", "body.stream")
     model = body.get("model")
     if model is not None and model not in models:
         return ("model_not_found", f"line {n}: the model {model!r} does not exist here; this server runs "

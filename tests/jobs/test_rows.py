@@ -304,6 +304,16 @@ def test_unknown_body_fields_are_ignored_and_counted():
     assert table.notes() == ["ignored unknown body fields: bar (1 row), foo (3 rows)"]
 
 
+def test_rows_that_ask_to_stream_run_whole_and_the_summary_says_so():
+    # They ran unstreamed without a word.
+    rows = read_jsonl(lines(chat({"stream": True}), chat({"stream": False}), chat({"stream": True, "n": 2})))
+    assert [type(r) for r in rows] == [Row, Row, Row]
+    assert Table(rows, "jsonl", b"").notes() == [
+        "2 rows asked for stream: true; a job writes whole results, so they ran unstreamed"]
+    assert Table(rows[:1], "jsonl", b"").notes() == [
+        "1 row asked for stream: true; a job writes whole results, so it ran unstreamed"]
+
+
 @pytest.mark.parametrize("line, message", [
     ('{"custom_id": "a', "line 3: not valid JSON (Unterminated string starting at column 15)"),
     ("{not json", "line 3: not valid JSON (Expecting property name enclosed in double quotes at column 2)"),

@@ -51,6 +51,14 @@ def test_every_bad_line_is_named_once_with_its_number():
     assert "'other' does not exist here; this server runs 'm'" in got.errors[7]["message"]
 
 
+def test_a_request_that_asks_to_stream_fails_the_batch_as_openai_validates_it():
+    # It ran unstreamed without a word; OpenAI refuses such a file as it validates it.
+    got = check(line("a"), line("b", stream=True), line("c", stream=False))
+    [err] = got.errors
+    assert (err["line"], err["code"], err["param"]) == (2, "invalid_request", "body.stream")
+    assert err["message"].startswith("line 2: a batch request cannot stream (stream: true)")
+
+
 def test_an_empty_custom_id_is_named_as_empty():
     # It said "each line needs a string custom_id", of an id that is a string.
     got = check(json.dumps({"custom_id": "", "method": "POST", "url": CHAT, "body": {}}), line("a"))
