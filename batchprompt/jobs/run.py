@@ -308,6 +308,11 @@ def row_spec(row: Row, opts: JobOptions) -> OutputSpec | None:
     if json_schema is not None and b.get("response_format") is not None:
         given = "guided_json" if b.get("guided_json") is not None else "structured_outputs"
         raise ValueError(f"response_format and {given} both ask for a constraint: give one of them")
+    rf = b.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") in ("text", "json_object", "json_schema")):
+        # A body's, from JSON: the Python API's message offered "a pydantic model class" here.
+        raise ValueError(f'response_format must be {{"type": "json_schema", "json_schema": {{"name": ..., "schema": '
+                         f'{{...}}}}}}, {{"type": "json_object"}} or {{"type": "text"}}; got {_json_shown(rf)}')
     asked = {"choices": one("guided_choice", "choice"), "regex": one("guided_regex", "regex"),
              "json_schema": json_schema, "grammar": one("guided_grammar", "grammar"),
              "response_format": b.get("response_format")}
@@ -317,6 +322,11 @@ def row_spec(row: Row, opts: JobOptions) -> OutputSpec | None:
         raise ValueError(f"choice_mode {b['choice_mode']!r} picks among choices: give guided_choice (or "
                          f"structured_outputs.choice) with it, or leave choice_mode out")
     return OutputSpec.from_options(choice_mode=b.get("choice_mode", opts.structured.get("choice_mode")), **asked)
+
+
+def _json_shown(value: Any, limit: int = 200) -> str:
+    text = json.dumps(value, ensure_ascii=False, default=repr)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _check_structured_keys(so: dict) -> None:

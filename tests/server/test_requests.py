@@ -49,6 +49,15 @@ def test_a_chat_refusal_names_the_field(tokenizer, body, param):
     assert (e.value.status, e.value.param) == (400, param), e.value.message
 
 
+@pytest.mark.parametrize("fmt", [{"type": "xml"}, {"json_schema": {}}])
+def test_a_bad_response_format_names_only_what_a_body_can_give(tokenizer, fmt):
+    # It offered "or a pydantic model class", which only the Python API can give.
+    with pytest.raises(ApiError) as e:
+        plan_chat({"messages": M, "response_format": fmt}, tokenizer, 8192)
+    assert (e.value.status, e.value.param) == (400, "response_format")
+    assert "pydantic" not in e.value.message and '{"type": "json_object"}' in e.value.message, e.value.message
+
+
 def test_an_over_long_completion_prompt_names_prompt(tokenizer):
     with pytest.raises(ApiError) as e:
         plan_completion({"prompt": ["x", "hi " * 9000]}, tokenizer, 8192)
