@@ -64,6 +64,12 @@ def test_an_output_cut_inside_a_character_is_judged_on_the_text_written(engine32
         assert (r.error is None) == bool(re.fullmatch(pattern, r.text)), (r.text, r.error)
 
 
+def test_min_tokens_does_not_hold_an_answer_past_the_end_of_its_regex(lm):
+    # As the README says: min_tokens holds back EOS only while the grammar allows more.
+    [r] = lm.batch_prompt(["Say a or b"], regex="(a|b)", min_tokens=5, max_tokens=10)
+    assert (r.ok, r.text in ("a", "b"), r.finish_reason, r.usage.completion_tokens) == (True, True, "stop", 1)
+
+
 def test_min_tokens_beyond_the_longest_label_names_the_labels(lm):
     """It said "min_tokens must be ... from 0 to max_tokens (1)" where the caller gave max_tokens=10."""
     with pytest.raises(ValueError, match=r"min_tokens \(5\) is more than the longest label \(1 token\)"):
