@@ -156,7 +156,37 @@ class EngineService(StopCounts):
 
     # ---- callers' side (any thread) --------------------------------------------------------
     def submit(self, source: Source) -> None:
-        """Queue `source`'s items. On a stopped service each is answered at once with the reason."""
+        """Queue `source`'s items. On a stopped service each is answered at once with the reason.
+        Items whose grammar has not been compiled yet are queued once it has been, by a thread
+        of their own: compiling on the engine's thread (seconds for a big list of labels or a
+        large schema) held up every other request."""
+        grammars = self._uncompiled_grammars(source)
+        if not grammars:
+            self._queue(source)
+            return
+
+        def compile_then_queue() -> None:
+            try:
+                for grammar in grammars:
+                    self.engine.grammars.compile(grammar)  # a GrammarError is kept: each request gets it
+            except BaseException:  # noqa: BLE001 - the engine compiles it again, and says why
+                log.exception("compiling a grammar ahead of its requests failed")
+            finally:
+                self._queue(source)
+        threading.Thread(target=compile_then_queue, name=f"batchprompt-grammar-{self.name}", daemon=True).start()
+
+    def _uncompiled_grammars(self, source: Source) -> list:
+        compiler = getattr(getattr(self, "engine", None), "grammars", None)
+        if compiler is None:
+            return []
+        seen: dict[int, Any] = {}  # by identity: a batch's items share one grammar object
+        for item in list(source.items):
+            grammar = item.params.grammar
+            if grammar is not None and id(grammar) not in seen:
+                seen[id(grammar)] = grammar
+        return [g for g in dict.fromkeys(seen.values()) if not compiler.is_compiled(g)]
+
+    def _queue(self, source: Source) -> None:
         with self._cond:
             if not self._stopping:
                 self._sources.append(source)

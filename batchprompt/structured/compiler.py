@@ -24,35 +24,65 @@ class GrammarCompiler:
         self._eos = sorted(eos_token_ids)
         self._tokenizer = None
         self._compiled: OrderedDict[Grammar, object] = OrderedDict()
+        self._compiling: dict[Grammar, threading.Event] = {}  # set once its compile has ended
         self._cache_size = cache_size
         self._lock = threading.Lock()
+        self._tokenizer_lock = threading.Lock()
 
     @property
     def tokenizer(self):
-        if self._tokenizer is None:
-            import llguidance.hf
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                import llguidance.hf
 
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self._vocab_size,
-                                                           eos_token=self._eos or None)
-        return self._tokenizer
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self._vocab_size,
+                                                               eos_token=self._eos or None)
+            return self._tokenizer
 
     def matcher(self, grammar: Grammar):
         """A fresh matcher at the start of `grammar`; GrammarError if it cannot be compiled."""
+        template = self.compile(grammar)
+        if isinstance(template, GrammarError):
+            raise template
+        return template.deep_copy()
+
+    def is_compiled(self, grammar: Grammar) -> bool:
+        """Whether `grammar` is compiled (or known to fail) already."""
         with self._lock:
-            template = self._compiled.get(grammar)
-            if template is None:
+            return grammar in self._compiled
+
+    def compile(self, grammar: Grammar):
+        """The compiled matcher of `grammar` (not to be used: copy it), or its GrammarError.
+        Each distinct grammar compiles once, outside the lock: a caller that compiles one
+        beforehand (a big list of labels, seconds) never holds up the engine's thread, which
+        then finds it compiled, nor its other grammars."""
+        while True:
+            with self._lock:
+                template = self._compiled.get(grammar)
+                if template is not None:
+                    self._compiled.move_to_end(grammar)
+                    return template
+                pending = self._compiling.get(grammar)
+                mine = pending is None
+                if mine:
+                    pending = self._compiling[grammar] = threading.Event()
+            if not mine:
+                pending.wait()  # another thread compiles it: then it is in the cache (or evicted: again)
+                continue
+            try:
                 try:
                     template = self._compile(grammar)
                 except GrammarError as e:  # remembered: a batch repeats its grammar many times
                     template = e
-                self._compiled[grammar] = template
-                if len(self._compiled) > self._cache_size:
-                    self._compiled.popitem(last=False)
-            else:
-                self._compiled.move_to_end(grammar)
-        if isinstance(template, GrammarError):
-            raise template
-        return template.deep_copy()
+                with self._lock:
+                    self._compiled[grammar] = template
+                    if len(self._compiled) > self._cache_size:
+                        self._compiled.popitem(last=False)
+                return template
+            finally:
+                with self._lock:
+                    del self._compiling[grammar]
+                pending.set()
 
     def _compile(self, grammar: Grammar):
         from llguidance import LLMatcher
@@ -95,12 +125,21 @@ def _limits(grammar: Grammar, text: str):
     """llguidance's parser limits: its own, but a row as wide as the grammar's alternatives
     (its default of 2,000 items a row failed a list of more labels, or a Lark rule of more
     alternatives, at its first token). A Lark rule's alternatives are bounded by its "|"s."""
+    from llguidance import LLParserLimits
+
     if grammar.kind == "choices":
-        width = grammar.num_labels
+        labels = grammar.labels
+        if not grammar.has_token_ids:
+            # Labels as text are one lexeme: the lexer's fuel, not the parser's row, bounds them
+            # (its default failed 50,000 labels after their first token, "too many expressions
+            # constructed"). About 2x their bytes was enough; 4x, and never below the default.
+            fuel = 4 * sum(len(label.encode()) for label in labels)
+            defaults = LLParserLimits()
+            return LLParserLimits(initial_lexer_fuel=max(defaults.initial_lexer_fuel, fuel),
+                                  step_lexer_fuel=max(defaults.step_lexer_fuel, fuel))
+        width = len(labels)
     elif grammar.kind == "lark":
         width = text.count("|")
     else:
         return None
-    from llguidance import LLParserLimits
-
     return LLParserLimits(max_items_in_row=max(2000, 2 * width + 16))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 from typing import Literal
 
 import jsonschema
@@ -50,6 +51,41 @@ def test_fifteen_thousand_labels_are_decoded(lm, messages):
     labels = ["spam", "ham"] + [f"opt{i}" for i in range(15000)]
     results = lm.batch_prompt(messages[:3], choices=labels)
     assert all(r.ok and r.text in labels for r in results), [(r.text, r.error) for r in results]
+
+
+def test_seventy_thousand_labels_are_decoded(lm, messages):
+    """As text, one lexeme each: 50,000 labels failed every row after its first token ("lexer
+    error: too many expressions constructed"), after 4 s of compiling on the engine's thread, and
+    more than 65,525 ran out of the grammar engine's symbols. They are now one lexeme together."""
+    labels = [f"label number {i}" for i in range(70000)]
+    results = lm.batch_prompt(messages[:2], choices=labels, max_tokens=16)
+    assert all(r.ok and r.text in labels for r in results), [(r.text, r.error) for r in results]
+
+
+def test_a_grammar_being_compiled_holds_up_no_other_request(lm, monkeypatch):
+    """It was compiled on the engine's thread as its request entered the engine: every other
+    request waited for it (4 s for 50,000 labels). It is now compiled first, on a thread of its own."""
+    compiler = lm.engine.grammars
+    started, release = threading.Event(), threading.Event()
+    real = compiler._compile
+    pattern = "(yes|no) held"  # its own: no other test has it compiled
+
+    def held(grammar):
+        if grammar.source == pattern:
+            started.set()
+            release.wait(30)
+        return real(grammar)
+
+    monkeypatch.setattr(compiler, "_compile", held)
+    constrained = lm.create_batch(["Is it spam?"], regex=pattern, max_tokens=8).start()
+    try:
+        assert started.wait(30)
+        [plain] = lm.create_batch(["Lunch at 1?"], max_tokens=2).wait(timeout=20)
+        assert plain.ok and not constrained.done
+    finally:
+        release.set()
+    [answer] = constrained.wait(timeout=60)
+    assert answer.ok and answer.text in ("yes held", "no held"), (answer.text, answer.error)
 
 
 def test_an_output_cut_inside_a_character_is_judged_on_the_text_written(engine32):

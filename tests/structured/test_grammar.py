@@ -127,3 +127,35 @@ def test_eos_is_allowed_only_once_the_grammar_accepts(compiler, engine32):
     assert not allowed_tokens([m], vocab, torch.device("cpu"))[0, eos]
     assert m.consume_token(tok.encode("7", add_special_tokens=False)[0])
     assert allowed_tokens([m], vocab, torch.device("cpu"))[0, eos]
+
+
+def test_a_grammar_compiled_by_two_threads_at_once_is_compiled_once(engine32, monkeypatch):
+    """Compiling runs outside the compiler's lock (so a long compile holds up no other grammar):
+    a second thread asking for the same grammar meanwhile waits for the first one's result."""
+    import threading
+
+    tok = engine32.tokenizer
+    compiler = GrammarCompiler(tok.hf, engine32.model.args.vocab_size, tok.eos_token_ids)
+    compiles, inside, release = [], threading.Event(), threading.Event()
+    real = compiler._compile
+
+    def counted(grammar):
+        compiles.append(grammar.source)
+        if grammar.source == "slow":
+            inside.set()
+            release.wait(30)
+        return real(grammar)
+
+    monkeypatch.setattr(compiler, "_compile", counted)
+    slow, quick = Grammar.regex("slow"), Grammar.regex("quick")
+    threads = [threading.Thread(target=compiler.matcher, args=(slow,)) for _ in range(3)]
+    threads[0].start()
+    assert inside.wait(30)
+    for t in threads[1:]:
+        t.start()
+    compiler.matcher(quick)  # another grammar compiles while "slow" is under way
+    assert not compiler.is_compiled(slow)
+    release.set()
+    for t in threads:
+        t.join(30)
+    assert compiles == ["slow", "quick"] and compiler.is_compiled(slow)
