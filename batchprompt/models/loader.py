@@ -1,6 +1,7 @@
 """Find a model (embedded, GGUF file, local HF directory, or hub id) and build it."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -100,6 +101,7 @@ def _load_hf_weights(source: ModelSource) -> tuple[ModelArgs, dict[str, torch.Te
     from safetensors.torch import load_file
 
     args = ModelArgs.from_hf_config(json.loads((source.path / "config.json").read_text()))
+    args = dataclasses.replace(args, eos_token_ids=_with_generation_eos(args.eos_token_ids, source.path))
     files = sorted(source.path.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"{source.path} has a config.json but no *.safetensors weights")
@@ -107,6 +109,19 @@ def _load_hf_weights(source: ModelSource) -> tuple[ModelArgs, dict[str, torch.Te
     for f in files:
         state.update(load_file(str(f)))
     return args, state
+
+
+def _with_generation_eos(eos: tuple[int, ...], path: Path) -> tuple[int, ...]:
+    """`eos` and generation_config.json's end-of-sequence ids, as vLLM and transformers stop on
+    them: a Llama 3 Instruct's config.json names <|end_of_text|> alone, and its answers end with
+    <|eot_id|>, which only generation_config.json names (they ran on past the answer's end)."""
+    try:
+        gen = json.loads((path / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return eos
+    more = gen.get("eos_token_id") if isinstance(gen, dict) else None
+    more = more if isinstance(more, list) else [more]
+    return eos + tuple(i for i in more if isinstance(i, int) and not isinstance(i, bool) and i not in eos)
 
 
 def to_internal_state(args: ModelArgs, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -89,3 +89,23 @@ def test_a_bad_dtype_or_device_is_refused_before_any_weights_are_read(monkeypatc
                           (dict(device="gpu"), "unknown device 'gpu'"), (dict(device="meta"), "not supported")):
         with pytest.raises(ValueError, match=words):
             LLMEngine.from_pretrained(**kwargs)
+
+
+def test_generation_config_end_of_sequence_ids_stop_generation_too(tiny_model_dir, tmp_path):
+    """A Llama 3 Instruct names <|end_of_text|> in config.json and <|eot_id|> only in
+    generation_config.json, as vLLM and transformers read them; only the first stopped an answer."""
+    import json
+    import shutil
+
+    from batchprompt.models.loader import load_hf_weights
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config["eos_token_id"] = 2
+    (model / "config.json").write_text(json.dumps(config))
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, True, "x"]}))
+    args, _ = load_hf_weights(resolve_model(str(model)))
+    assert args.eos_token_ids == (2, 7)
+    (model / "generation_config.json").write_text("{not json")  # unreadable: config.json's alone, as before
+    assert load_hf_weights(resolve_model(str(model)))[0].eos_token_ids == (2,)
