@@ -64,10 +64,17 @@ class RecordMetrics:
 
 def _request_id(scope: Scope) -> bytes:
     """The client's X-Request-Id when it is a short printable token, else a new random one."""
-    given = dict(scope["headers"]).get(b"x-request-id", b"")
-    if 0 < len(given) <= 128 and all(33 <= c < 127 for c in given):
-        return given
-    return uuid.uuid4().hex.encode()
+    given = client_request_id(dict(scope["headers"]).get(b"x-request-id", b""))
+    return given.encode() if given is not None else uuid.uuid4().hex.encode()
+
+
+def client_request_id(given: bytes | str | None) -> str | None:
+    """A request id a client gave (the X-Request-Id header, vLLM's body field request_id) when
+    it is a short printable token (1 to 128 of ASCII's 33 to 126), else None."""
+    raw = given.encode("utf-8", "replace") if isinstance(given, str) else given
+    if isinstance(raw, bytes) and raw and len(raw) <= 128 and all(33 <= c < 127 for c in raw):
+        return raw.decode()
+    return None
 
 
 class RequireApiKey:

@@ -40,9 +40,10 @@ class Plan:
     decode: Callable[[list[int]], str] | None = None  # a choice's tokens as text (streaming)
 
 
-def plan_chat(body: dict, tokenizer, max_model_len: int) -> Plan:
+def plan_chat(body: dict, tokenizer, max_model_len: int, request_id: str | None = None) -> Plan:
+    """`request_id`: the client's (X-Request-Id, as vLLM takes it), else the answer's id is random."""
     body = refuse_unsupported(body)
-    rid = uuid.uuid4().hex
+    rid = request_id or uuid.uuid4().hex
     row = _row(CHAT, body, rid)
     # Unset max_tokens: the rest of the context, as vLLM (the engine stops at the context's end).
     opts = JobOptions(input="-", output="-", max_tokens=max_model_len, temperature=TEMPERATURE)
@@ -52,9 +53,10 @@ def plan_chat(body: dict, tokenizer, max_model_len: int) -> Plan:
     return Plan(rid, [row], n, _choices([ids], params, n, spec), openai_io.TokenPieces.of(tokenizer), tokenizer.decode)
 
 
-def plan_completion(body: dict, tokenizer, max_model_len: int) -> Plan:
+def plan_completion(body: dict, tokenizer, max_model_len: int, request_id: str | None = None) -> Plan:
+    """`request_id`: the client's (X-Request-Id, as vLLM takes it), else the answer's id is random."""
     body = refuse_unsupported(body)
-    rid = uuid.uuid4().hex
+    rid = request_id or uuid.uuid4().hex
     prompts = _prompts(body.get("prompt"))
     # The body's options are checked once, with a stand-in prompt: the prompt forms are ours.
     base = _row(COMPLETION, {**body, "prompt": "-"}, rid)

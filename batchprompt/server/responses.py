@@ -63,7 +63,8 @@ class Chunks:
     the longest of them less one, since a stop string that completes is cut from the output.
     With logprobs asked, a choice comes whole when it completes (its chunk carries them).
     `continuous_usage` (vLLM's stream_options.continuous_usage_stats, with include_usage): each
-    chunk carries the usage so far, rather than null."""
+    chunk carries the usage so far of its own choice (its prompt's tokens and the choice's tokens
+    so far, as vLLM counts it), rather than null."""
 
     def __init__(self, plan: Plan, chat: bool, model: str, created: int, include_usage: bool,
                  continuous_usage: bool = False):
@@ -91,25 +92,28 @@ class Chunks:
         piece = self._stream(index).push(ids)
         return [self._delta(index, piece)] if piece else []
 
-    def _chunk(self, choices: list[dict]) -> str:
+    def _chunk(self, choices: list[dict], index: int | None = None) -> str:
+        """`index`: the choice the chunk is of (None: of none yet, as the role's opening chunk)."""
         obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                "created": self.created, "model": self.model, "choices": choices}
         if self.chat:
             obj["system_fingerprint"] = None
         if self.include_usage:
-            obj["usage"] = self._usage_so_far() if self.continuous_usage else None
+            obj["usage"] = self._usage_so_far(index) if self.continuous_usage else None
         return event(obj)
 
-    def _usage_so_far(self) -> dict[str, int]:
-        prompt = sum(len(p.token_ids or ()) for p in self.plan.prepared[::self.plan.n])
-        made = sum(self._made.values())
+    def _usage_so_far(self, index: int | None) -> dict[str, int]:
+        # Per choice, as vLLM's: with n > 1 it summed every choice's tokens (1, 2, 3, 4 for two
+        # choices of 2 tokens where vLLM says 1, 1, 2, 2).
+        prompt = len(self.plan.prepared[index or 0].token_ids or ())
+        made = 0 if index is None else self._made.get(index, 0)
         return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
 
     def _delta(self, index: int, text: str) -> str:
         if not self.chat:
-            return self._chunk([{"index": index, "text": text, "logprobs": None, "finish_reason": None}])
+            return self._chunk([{"index": index, "text": text, "logprobs": None, "finish_reason": None}], index)
         return self._chunk([{"index": index % self.plan.n, "delta": {"content": text}, "logprobs": None,
-                             "finish_reason": None}])
+                             "finish_reason": None}], index)
 
     def _rest(self, index: int, text: str) -> tuple[str, bool]:
         """What of a choice's final text was not sent yet, and whether any of it was."""
@@ -134,18 +138,18 @@ class Chunks:
         row = self.plan.rows[prompt]
         choice = openai_io.response_body(row, [r], self.model, self.created, self.plan.token_text)["choices"][0]
         if not self.chat:
-            return [self._chunk([dict(choice, index=index, text=self._rest(index, choice["text"])[0])])]
+            return [self._chunk([dict(choice, index=index, text=self._rest(index, choice["text"])[0])], index)]
         i = index % self.plan.n
         out = []
         rest, streamed = self._rest(index, choice["message"]["content"] or "")
         if rest or choice["logprobs"] is not None or not streamed:
             out.append(self._chunk([{"index": i, "delta": {"content": rest}, "logprobs": choice["logprobs"],
-                                     "finish_reason": None}]))
+                                     "finish_reason": None}], index))
         finish = {"index": i, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"],
                   "stop_reason": choice.get("stop_reason")}
         if "choice_probs" in choice:  # score mode: on the choice's last chunk, as on the whole answer's choice
             finish["choice_probs"] = choice["choice_probs"]
-        return out + [self._chunk([finish])]
+        return out + [self._chunk([finish], index)]
 
     def end(self) -> list[str]:
         out = []

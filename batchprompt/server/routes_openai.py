@@ -14,6 +14,7 @@ from ..api.batch import Batch
 from ..jobs.bodies import ChatRequest, CompletionRequest
 from . import responses, waiting
 from .errors import ApiError
+from .middleware import client_request_id
 from .requests import plan_chat, plan_completion
 from .schemas import read_json
 from .state import ServerState
@@ -61,7 +62,10 @@ async def _complete(request: Request, schema, plan_fn, chat: bool):
     state.check_model(body.get("model"))
     service = state.service()
     # Rendering and tokenizing take the tokenizer's lock and some CPU: off the event loop.
-    plan = await asyncio.to_thread(plan_fn, body, service.tokenizer, service.max_model_len)
+    # The answer's id is the client's request id where it gave one, as vLLM makes it
+    # (chatcmpl-<X-Request-Id>, else the body's request_id), so logs on both sides match.
+    rid = client_request_id(request.headers.get("x-request-id")) or client_request_id(body.get("request_id"))
+    plan = await asyncio.to_thread(plan_fn, body, service.tokenizer, service.max_model_len, rid)
     batch = Batch(service, plan.prepared)
     created = int(time.time())
     if body.get("stream"):

@@ -85,6 +85,21 @@ def test_chat_completion(server):
     assert "".join(t.token for t in choice.logprobs.content).strip() == choice.message.content.strip()
 
 
+def test_the_answers_id_carries_the_clients_request_id_as_vllm_makes_it(server):
+    """It was random whatever the client sent: vLLM answers chatcmpl-<X-Request-Id> (else the
+    body's request_id), so a client's logs and the server's name a request alike."""
+    client = server.openai()
+    chat = dict(model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
+    out = client.chat.completions.create(**chat, extra_headers={"X-Request-Id": "mine-7"})
+    assert out.id == "chatcmpl-mine-7"
+    assert client.chat.completions.create(**chat, extra_body={"request_id": "body-8"}).id == "chatcmpl-body-8"
+    out = client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=1,
+                                    extra_headers={"X-Request-Id": "mine-9"})
+    assert out.id == "cmpl-mine-9"
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{32}", client.chat.completions.create(
+        **chat, extra_headers={"X-Request-Id": "not a token"}, extra_body={"request_id": 5}).id)
+
+
 def test_logprob_bytes_rebuild_the_content(server):
     """Each token's `bytes` are its own, so that a character split across tokens (an emoji,
     whose token texts are U+FFFD) comes back whole when they are joined, as OpenAI's do."""

@@ -104,6 +104,25 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(continuous, 
         assert all(u["prompt_tokens"] == 1 and u["total_tokens"] == 1 + u["completion_tokens"] for u in usages)
 
 
+def test_continuous_usage_stats_count_each_choice_alone_as_vllm_does():
+    """With n = 2 the usage so far summed both choices' tokens (1, 2, 3, 4 where vLLM says 1, 1, 2, 2)."""
+    import json
+
+    from batchprompt.api.batch import Prepared
+    from batchprompt.engine import SamplingParams
+    from batchprompt.server.responses import Chunks
+
+    plan = _plan()
+    plan = type(plan)("rid", plan.rows, 2, [Prepared(i, [1, 2, 3], SamplingParams(max_tokens=8)) for i in range(2)],
+                      plan.token_text, plan.decode)
+    chunks = Chunks(plan, True, "m", 0, include_usage=True, continuous_usage=True)
+    events = chunks.start() + chunks.tokens(0, [104]) + chunks.tokens(1, [105]) + chunks.tokens(0, [106])
+    events += chunks.tokens(1, [107])
+    usages = [json.loads(e.removeprefix("data: "))["usage"] for e in events]
+    assert [u["completion_tokens"] for u in usages] == [0, 1, 1, 2, 2]
+    assert all(u["prompt_tokens"] == 3 for u in usages)
+
+
 def test_an_async_batch_cancelled_after_its_last_result_completed():
     """A cancel, or a server's stop, that came as the last prompt finished cancelled nothing:
     the batch said "cancelled" with every result there."""
