@@ -44,6 +44,9 @@ IGNORED_FIELDS = {
     "guided_whitespace_pattern", "priority", "request_id", "return_tokens_as_token_ids", "return_token_ids",
     "cache_salt",
     "kv_transfer_params", "vllm_xargs", "include_reasoning", "thinking_token_budget"}
+#: Chat's fields that a completions body does not have (its log-probs are `logprobs: k`): ignored
+#: there, and named as unknown, as vLLM names them (they were ignored without a word).
+CHAT_ONLY_FIELDS = {"top_logprobs"}
 #: Top-level keys of a plain JSONL line that are not body fields.
 PLAIN_LINE_KEYS = {"id"}
 MAX_N = 128  # OpenAI's limit on choices per request
@@ -422,7 +425,8 @@ def row_from_body(n: int, cid: str, url: str, body: dict) -> Row | RowError:
         return RowError(n, cid, "invalid_parameter", f"line {n}: {message}", name)  # the server's code for it
     row = _row_from_body(n, cid, url, body)
     if isinstance(row, Row):
-        unknown = tuple(k for k in body if k not in KNOWN_FIELDS and k not in IGNORED_FIELDS)
+        unknown = tuple(k for k in body if (k not in KNOWN_FIELDS and k not in IGNORED_FIELDS)
+                        or (url == COMPLETION and k in CHAT_ONLY_FIELDS))
         row = replace(row, unknown_fields=unknown) if unknown else row
     return row
 

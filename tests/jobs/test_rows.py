@@ -304,6 +304,13 @@ def test_unknown_body_fields_are_ignored_and_counted():
     assert table.notes() == ["ignored unknown body fields: bar (1 row), foo (3 rows)"]
 
 
+def test_a_chat_field_in_a_completions_body_is_named_as_ignored():
+    # top_logprobs is chat's (completions say logprobs: k): it was ignored without a word.
+    rows = read_jsonl(lines({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "x", "top_logprobs": 2}},
+                            chat({"logprobs": True, "top_logprobs": 2}, custom_id="d")))
+    assert [r.unknown_fields for r in rows] == [("top_logprobs",), ()]
+
+
 def test_rows_that_ask_to_stream_run_whole_and_the_summary_says_so():
     # They ran unstreamed without a word.
     rows = read_jsonl(lines(chat({"stream": True}), chat({"stream": False}), chat({"stream": True, "n": 2})))
