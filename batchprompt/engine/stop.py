@@ -10,12 +10,12 @@ def check_stop(req: Request, eos_token_ids: frozenset[int], max_model_len: int, 
     token = req.output_token_ids[-1]
     if len(req.output_token_ids) < p.min_tokens:  # the sampler kept EOS and stop tokens out
         return "length" if req.num_tokens >= max_model_len else None
+    if not p.ignore_eos and token in eos_token_ids:  # first, as vLLM: an EOS also in stop_token_ids
+        return "stop"  # is no stop_reason (it said the EOS id)
     if token in p.stop_token_ids:
         req.stop_reason = token
         if not p.include_stop_str_in_output and tokenizer is not None:  # as vLLM: the stop token's text is
             req.stop_text_len = len(tokenizer.decode(req.output_token_ids[:-1]))  # left out (it was kept)
-        return "stop"
-    if not p.ignore_eos and token in eos_token_ids:
         return "stop"
     if p.stop and tokenizer is not None:
         text = tokenizer.decode(req.output_token_ids)

@@ -91,6 +91,15 @@ def test_stop_string_kept_or_cut(include, text_len):
     assert req.stop_text_len == text_len
 
 
+@pytest.mark.parametrize("ignore_eos, reason", [(False, None), (True, 1)])
+def test_an_eos_that_is_also_a_stop_token_id_is_no_stop_reason(ignore_eos, reason):
+    # As vLLM checks EOS first: stop_token_ids=[eos] answered stop_reason = the EOS id.
+    req = Request("r", [0], SamplingParams(stop_token_ids=(1,), ignore_eos=ignore_eos))
+    req.append_token(1, None)
+    assert check_stop(req, frozenset({1}), 100, CharTokenizer()) == "stop"
+    assert req.stop_reason == reason
+
+
 def test_min_tokens_defers_stop_tokens_and_strings():
     req = Request("r", [0], SamplingParams(stop=("b",), stop_token_ids=(1,), min_tokens=3))
     req.append_token(0, None)
