@@ -22,7 +22,12 @@ from .storage import StorageError
 
 
 class JournalMismatch(Exception):
-    """The journal was started for a different input or different options."""
+    """The journal was started for a different input or different options, or is none of ours.
+    `problem`: what is wrong with it, without the command's remedy (a server says its own)."""
+
+    def __init__(self, message: str, problem: str | None = None):
+        super().__init__(message)
+        self.problem = problem or message
 
 
 def _settings_json(settings: dict[str, object]) -> str:
@@ -56,7 +61,7 @@ class Journal:
                             "prompt_tokens INTEGER NOT NULL DEFAULT 0, completion_tokens INTEGER NOT NULL DEFAULT 0)")
         if self.get("fingerprint") is None and not restart and not self.empty():  # its meta table was lost
             self._refuse(f"the journal {self.path} holds rows but no record of the job they belong to "
-                         f"(damaged, or not made by batchprompt): give another --journal, or --restart to start over")
+                         f"(damaged, or not made by batchprompt)", "give another --journal, or --restart to start over")
         olds = legacy if isinstance(legacy, tuple) else (legacy,)
         other = self.get("fingerprint") not in (None, fingerprint, *olds)  # begun for another input or options
         if other and not restart and not self.empty():
@@ -66,7 +71,7 @@ class Journal:
                 + (f"changed since the job began: {changed}" if changed else
                    "the input file, or an option such as --model, --system, --max-tokens or --temperature, "
                    "changed since the job began")
-                + "); run with the job's first options to resume, or --restart to start over")
+                + ")", "run with the job's first options to resume, or --restart to start over")
         if restart or other:  # other: an empty journal, taken over (nothing is lost)
             with self._writing():
                 self.db.execute("DELETE FROM rows")
@@ -87,17 +92,17 @@ class Journal:
         try:
             tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         except sqlite3.DatabaseError as e:
-            self._refuse(f"{self.path} is not a batchprompt journal ({e}): give another --journal, or move that "
-                         f"file away")
+            self._refuse(f"{self.path} is not a batchprompt journal ({e})",
+                         "give another --journal, or move that file away")
         foreign = sorted(tables - {"meta", "rows"})
         if foreign:
             self._refuse(f"{self.path} is a database with other tables ({', '.join(foreign[:5])}), not a batchprompt "
-                         f"journal: give another --journal")
+                         f"journal", "give another --journal")
 
-    def _refuse(self, message: str) -> NoReturn:
-        """Close the database and raise JournalMismatch(message): this job cannot use it."""
+    def _refuse(self, problem: str, remedy: str | None = None) -> NoReturn:
+        """Close the database and raise JournalMismatch("problem: remedy"): this job cannot use it."""
         self.db.close()
-        raise JournalMismatch(message) from None
+        raise JournalMismatch(f"{problem}: {remedy}" if remedy else problem, problem) from None
 
     def empty(self) -> bool:
         """No row recorded, pending ones included: a run that stopped before any row (a bad option

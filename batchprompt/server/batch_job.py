@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ..api.batch import Batch
 from ..backends import BULK
 from ..jobs import openai_io
-from ..jobs.journal import Journal
+from ..jobs.journal import Journal, JournalMismatch
 from ..jobs.rows import Row, RowError
 from ..jobs.storage import StorageError, write_atomic
 from .batch_input import Checked, check_input
@@ -121,8 +121,11 @@ class BatchJob:
             try:
                 journal = await self._open_journal()
                 sizes = await self.api.io(self._write_files, journal, batch["output_file_id"], batch["error_file_id"])
-            except Exception:  # noqa: BLE001  (the batch still fails, below; its files say why they are missing)
+            except Exception:  # noqa: BLE001  (the batch still fails, below, with no files)
                 log.exception("batch %s: the requests that finished could not be written to its files", self.id)
+                # Never written: dropped, their ids null (they stayed, as uploaded files of 0 bytes
+                # whose content was a 404).
+                sizes = {file_id: 0 for file_id in (batch["output_file_id"], batch["error_file_id"]) if file_id}
         await self._record_end(batch, sizes, status="failed", failed_at=int(time.time()), errors=_errors(errors))
 
     async def _record_end(self, batch: dict[str, Any], sizes: dict[str, int], **changes) -> None:
@@ -191,7 +194,11 @@ class BatchJob:
         if self._journal is None:
             path = self.api.dir.journal_path(self.id)
             fingerprint = f"{self.id}:{self.batch['input_file_id']}"
-            self._journal = await self.api.io(lambda: Journal(path, fingerprint, job_id=self.id))
+            try:
+                self._journal = await self.api.io(lambda: Journal(path, fingerprint, job_id=self.id))
+            except JournalMismatch as e:  # its remedy named run's options (--journal), none of serve's
+                raise JournalMismatch(f"the batch's journal cannot be read: {e.problem}; the requests it recorded "
+                                      f"are lost: create the batch again") from None
             await self.api.io(self._load_counts, self._journal)
             c = self.counts
             if self.resumed and c.completed + c.failed:

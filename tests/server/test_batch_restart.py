@@ -173,3 +173,34 @@ def test_a_batch_that_no_longer_validates_on_resume_fails_with_the_rows_it_had_f
         assert srv.stats()["engine"]["finished"] == 0  # nothing ran again
     finally:
         assert stop_server(srv) == 0, srv.output()
+
+
+def test_a_batch_whose_journal_was_damaged_fails_with_no_file_ids_left_over(tmp_path):
+    """A journal that is no longer SQLite when the server starts again: the batch failed, as it
+    should, but kept the ids of output and error files never written (their content a 404), and
+    its message said to "give another --journal", an option of `run`, not of `serve`."""
+    data, first_dir, second_dir = _dirs(tmp_path)
+    srv = start_server(first_dir, "--data-dir", str(data))
+    try:
+        client = srv.openai()
+        f = upload(client, [completion_line(f"q{i}", f"Item {i}:", 2) for i in range(4)] + [long_line("long0", 3000)])
+        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        journal = data / "batches" / f"{batch.id}.journal"
+        _wait_journaled(journal, 4)
+    finally:
+        srv.proc.send_signal(signal.SIGKILL)
+        srv.proc.wait(STOP_TIMEOUT_S)
+    for side in (journal.with_name(journal.name + "-wal"), journal.with_name(journal.name + "-shm")):
+        side.unlink(missing_ok=True)
+    journal.write_bytes(b"not a database at all\n" * 100)
+    srv = start_server(second_dir, "--data-dir", str(data))
+    try:
+        client = srv.openai()
+        done = wait_ended(client, batch.id, timeout=300)
+        assert done.status == "failed", done
+        [error] = done.errors.data
+        assert error.code == "internal_error" and "journal cannot be read" in error.message, error.message
+        assert "--journal" not in error.message and "create the batch again" in error.message
+        assert (done.output_file_id, done.error_file_id) == (None, None)
+    finally:
+        assert stop_server(srv) == 0, srv.output()
