@@ -126,8 +126,8 @@ class BatchApi:
                     f"batch or wait for it")
         return None
 
-    def _spawn(self, batch: dict[str, Any], resumed: bool = False) -> None:
-        job = BatchJob(self, batch, resumed)
+    def _spawn(self, batch: dict[str, Any], resumed: bool = False, ends_at: float | None = None) -> None:
+        job = BatchJob(self, batch, resumed, ends_at)
         self.jobs[job.id] = job
         job.task = asyncio.ensure_future(job.run())
         job.task.add_done_callback(lambda _: self.jobs.pop(job.id, None))
@@ -205,7 +205,8 @@ class BatchApi:
         asked = body.get("output_expires_after") or {}
         output_expires_s = batch_files.expires_after(asked.get("anchor"), asked.get("seconds"), "output_expires_after")
         self.state.service()  # 503 while loading or shutting down
-        now = int(time.time())
+        exact = time.time()
+        now = int(exact)
         counts, usage = Counts().json()
         batch = {"id": "batch_" + secrets.token_hex(16), "object": "batch", "endpoint": endpoint, "errors": None,
                  "input_file_id": file_id, "completion_window": body["completion_window"], "status": "validating",
@@ -216,7 +217,7 @@ class BatchApi:
         await asyncio.to_thread(self.store.add_batch, batch, output_expires_s, self.state.model_key)
         log.info("batch %s created: %s from file %s, window %s", batch["id"], endpoint, file_id,
                  body["completion_window"])
-        self._spawn(batch)
+        self._spawn(batch, ends_at=exact + window)
         return batch
 
     async def get_batch(self, batch_id: str) -> dict[str, Any]:

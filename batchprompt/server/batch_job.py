@@ -56,8 +56,12 @@ class Counts:
 
 
 class BatchJob:
-    def __init__(self, api: "BatchApi", batch: dict[str, Any], resumed: bool = False):
+    def __init__(self, api: "BatchApi", batch: dict[str, Any], resumed: bool = False, ends_at: float | None = None):
+        """`ends_at`: when its window ends, to the fraction of a second, where the batch was just
+        created (its expires_at is in whole seconds from the second it was created in: a "3s"
+        window ended 2.5 s after the create); after a restart, expires_at."""
         self.api, self.id = api, batch["id"]
+        self.ends_at = ends_at if ends_at is not None else batch["expires_at"]
         self.resumed = resumed  # begun by a server's start, after an earlier run of it stopped
         self.batch = batch  # as it was when the job began (the store has the current one)
         self.counts = Counts()
@@ -89,7 +93,7 @@ class BatchJob:
     # ---- the run -------------------------------------------------------------------------------
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        self._expiry = loop.call_at(loop.time() + max(self.batch["expires_at"] - time.time(), 0),
+        self._expiry = loop.call_at(loop.time() + max(self.ends_at - time.time(), 0),
                                     lambda: self.stop("expired"))
         try:
             await self._run()

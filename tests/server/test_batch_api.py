@@ -350,6 +350,20 @@ def wait_for_lines(client, file_id: str, n: int) -> list[dict]:
         time.sleep(0.2)
 
 
+def test_a_short_window_is_counted_from_the_create_not_from_its_whole_second(client):
+    """expires_at is in whole seconds (created_at + window), and the window ran out at it: a
+    "2s" batch created 0.9 s into a second expired 1.1 s later."""
+    f = upload(client, [long_line("long")])
+    while time.time() % 1 < 0.85:  # created late in its second, where the two readings differ most
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="2s")
+    assert batch.expires_at == batch.created_at + 2  # OpenAI's shape stays
+    time.sleep(max(0.0, t0 + 1.5 - time.monotonic()))
+    assert client.batches.retrieve(batch.id).status in ("validating", "in_progress")  # 1.5 s in: not yet
+    assert wait_ended(client, batch.id).status == "expired"
+
+
 def test_expired_batch_keeps_what_finished(client):
     f = upload(client, [completion_line("q1", "One:"), completion_line("q2", "Two:"), long_line("long")])
     batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="3s")
