@@ -194,15 +194,28 @@ async def batch_stats(request: Request) -> dict:
 
 @router.get("/v1/batch/{batch_id}")
 async def batch_status(batch_id: str, request: Request) -> dict:
-    return server_state(request).batches.get(batch_id).to_json()
+    return (await _async_batch(request, batch_id)).to_json()
 
 
 @router.post("/v1/batch/{batch_id}/cancel")
 async def batch_cancel(batch_id: str, request: Request) -> dict:
-    job = server_state(request).batches.get(batch_id)
+    job = await _async_batch(request, batch_id)
     if job.finished_at is None:
         job.cancel_asked = True
         await job.batch.cancel_async()
         # The batch is done; its task records the end right after (bounded: never hang a request).
         await asyncio.wait({asyncio.ensure_future(job.ended.wait())}, timeout=5)
     return job.to_json()
+
+
+async def _async_batch(request: Request, batch_id: str):
+    """The async batch `batch_id`; a 404 that points to /v1/batches where the id is a Batch API
+    batch's (the ids look alike: it said the batch was unknown or dropped)."""
+    state = server_state(request)
+    try:
+        return state.batches.get(batch_id)
+    except ApiError as e:
+        if e.status == 404 and await asyncio.to_thread(state.batch_api.store.get_batch, batch_id) is not None:
+            raise ApiError(404, f"{batch_id} is a Batch API batch, not an async one: GET /v1/batches/{batch_id} "
+                                f"(POST /v1/batches/{batch_id}/cancel)", "batch_not_found", "batch_id") from None
+        raise

@@ -205,6 +205,19 @@ def test_unknown_batch_is_404(server):
     assert r.status_code == 404 and error_of(r)["code"] == "batch_not_found"
 
 
+def test_a_batch_api_id_asked_of_the_async_route_is_pointed_to_v1_batches(server):
+    # The ids look alike; it said the batch was unknown, dropped or made before a restart.
+    from .batch_util import completion_line, upload, wait_ended
+
+    client = server.openai()
+    batch = client.batches.create(input_file_id=upload(client, [completion_line("a", "Hi", 1)]).id,
+                                  endpoint="/v1/completions", completion_window="24h")
+    with server.client() as c:
+        for r in (c.get(f"/v1/batch/{batch.id}"), c.post(f"/v1/batch/{batch.id}/cancel")):
+            assert r.status_code == 404 and f"GET /v1/batches/{batch.id}" in error_of(r)["message"]
+    assert wait_ended(client, batch.id).status == "completed"
+
+
 def test_stats(server):
     stats = server.stats()
     assert stats["model"] == "smollm2-135m"
