@@ -405,8 +405,10 @@ def _structured_options(args: argparse.Namespace) -> dict:
                                      f"give a file or inline JSON") from None
                 raise ValueError(f"--json-schema {args.json_schema}: a JSON schema is a JSON object "
                                  f"('{{\"type\": ...}}'), inline or in a file") from None
+        from .jobs.rows import json_loads
+
         try:
-            opts["json_schema"] = json.loads(source)
+            opts["json_schema"] = json_loads(source)  # nested too deeply: this error, not a RecursionError
         except json.JSONDecodeError as e:
             raise ValueError(f"--json-schema {args.json_schema}: not valid JSON ({e})") from None
     try:

@@ -61,10 +61,13 @@ class OutputSpec:
             if json_schema == "json_object":
                 return cls(Grammar.json_object(JSON_DEFAULTS))
             model_class = None
-            if isinstance(json_schema, type) and hasattr(json_schema, "model_json_schema"):
-                model_class, json_schema = json_schema, json_schema.model_json_schema()
-            return cls(_checked_schema(schema_option, json_schema),
-                       model_class=model_class)
+            try:
+                if isinstance(json_schema, type) and hasattr(json_schema, "model_json_schema"):
+                    model_class, json_schema = json_schema, json_schema.model_json_schema()
+                return cls(_checked_schema(schema_option, json_schema), model_class=model_class)
+            except RecursionError:  # a raw RecursionError (900 levels, or a dict that holds itself)
+                raise ValueError(f"bad {schema_option} (fix it): nested too deeply, or it holds itself; for a "
+                                 f"recursive structure, refer to a definition with $ref") from None
         return None
 
     def sampling_params(self, params: SamplingParams, tokenizer, max_model_len: int | None = None) -> SamplingParams:

@@ -53,6 +53,18 @@ def test_fifteen_thousand_labels_are_decoded(lm, messages):
     assert all(r.ok and r.text in labels for r in results), [(r.text, r.error) for r in results]
 
 
+def test_a_schema_nested_too_deeply_or_holding_itself_is_a_value_error():
+    # Both raised a bare RecursionError.
+    deep = {"type": "integer"}
+    for _ in range(900):
+        deep = {"type": "object", "properties": {"a": deep}, "required": ["a"]}
+    loop = {"type": "object"}
+    loop["properties"] = {"x": loop}
+    for schema in (deep, loop):
+        with pytest.raises(ValueError, match="bad json_schema .*nested too deeply, or it holds itself"):
+            OutputSpec.from_options(json_schema=schema)
+
+
 def test_seventy_thousand_labels_are_decoded(lm, messages):
     """As text, one lexeme each: 50,000 labels failed every row after its first token ("lexer
     error: too many expressions constructed"), after 4 s of compiling on the engine's thread, and

@@ -86,6 +86,13 @@ def test_bad_structured_flags_stop_before_any_work(tmp_path, capsys, monkeypatch
         assert f"--json-schema {inline}: a JSON schema is a JSON object" in capsys.readouterr().err
     assert main(["run", str(inp), "-o", str(out), "--choices", "a,b", "--regex", "x"]) == 2
     assert "one structured-output option" in capsys.readouterr().err
+    # Nested 900 and 100,000 levels: a RecursionError's traceback and exit 1 (from the schema's
+    # checks, and from json.loads).
+    for depth in (900, 100_000):
+        deep = tmp_path / f"deep{depth}.json"
+        deep.write_text('{"type": "object", "properties": {"a": ' * depth + '{"type": "integer"}' + "}}" * depth)
+        assert main(["run", str(inp), "-o", str(out), "--json-schema", str(deep)]) == 2
+        assert "nested too deeply" in capsys.readouterr().err
     assert not out.exists()
 
 
