@@ -377,7 +377,11 @@ def parse_line(n: int, line: str) -> Row | RowError:
         return RowError(n, None, "invalid_request", f"line {n}: expected a JSON object, got {json_type(obj)}")
     if "body" in obj or "url" in obj or "custom_id" in obj:
         return _openai_row(n, obj)
-    cid = str(obj.get("id", f"line-{n}"))
+    raw = obj.get("id")  # null is no id (it became the id "None"); a number or other JSON reads as JSON
+    cid = f"line-{n}" if raw is None else raw if isinstance(raw, str) else json.dumps(raw, ensure_ascii=False)
+    if "messages" in obj and obj.get("prompt") is not None:  # the prompt was dropped without a word
+        return RowError(n, cid, "invalid_request", f"line {n}: the line has both prompt and messages: give one "
+                                                   f"(prompt: one user turn; messages: the whole chat)", "prompt")
     body = {k: v for k, v in obj.items() if k not in PLAIN_LINE_KEYS}
     return row_from_body(n, cid, CHAT if "messages" in obj else COMPLETION_OR_CHAT, body)
 

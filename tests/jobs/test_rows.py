@@ -311,6 +311,17 @@ def test_a_chat_field_in_a_completions_body_is_named_as_ignored():
     assert [r.unknown_fields for r in rows] == [("top_logprobs",), ()]
 
 
+def test_a_plain_lines_null_id_is_no_id_and_prompt_beside_messages_is_refused():
+    # "id": null became the id "None" (two of them: a duplicate, the whole file refused); a line
+    # with both prompt and messages ran the messages and dropped the prompt without a word.
+    rows = read_jsonl(lines({"id": None, "prompt": "a"}, {"id": None, "prompt": "b"}, {"id": 7, "prompt": "c"},
+                            {"id": True, "prompt": "d"},
+                            {"prompt": "e", "messages": [{"role": "user", "content": "f"}]}))
+    assert [r.custom_id for r in rows] == ["line-1", "line-2", "7", "true", "line-5"]
+    assert isinstance(rows[4], RowError) and rows[4].code == "invalid_request" and "both prompt and messages" in (
+        rows[4].message)
+
+
 def test_rows_that_ask_to_stream_run_whole_and_the_summary_says_so():
     # They ran unstreamed without a word.
     rows = read_jsonl(lines(chat({"stream": True}), chat({"stream": False}), chat({"stream": True, "n": 2})))
