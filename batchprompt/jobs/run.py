@@ -746,7 +746,10 @@ class JobRun:
                                        a.completion_tokens)
                     summary.run_rows += 1
                     summary.run_completion_tokens += sum(c.usage.completion_tokens for c in p.choices)
-                    summary.cut += a.ok and p.constrained and any(c.finish_reason == "length" for c in p.choices)
+                    # Cut before the grammar completed (its cut error, which the row's answer leaves
+                    # out); a cut output that is a whole match already ("100" of an integer) is not.
+                    summary.cut += a.ok and p.constrained and any(c.finish_reason == "length" and c.error is not None
+                                                                  for c in p.choices)
                     if bar is not None:
                         bar.update(1)
                         rate = live.rate()

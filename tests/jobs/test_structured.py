@@ -3,6 +3,7 @@ bodies, the --choices/--json-schema defaults, and a rejected schema failing its 
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -158,6 +159,23 @@ def test_rows_are_answered_as_the_endpoint_answers_them(tmp_path):
     assert e["custom_id"] == "sms-1" and e["error"]["code"] == "invalid_parameter", e
     assert e["response"]["status_code"] == 400 and e["response"]["body"]["error"]["code"] == "invalid_parameter"
     assert "outside the vocabulary" in e["error"]["message"] and e["error"]["message"].startswith("line 2: ")
+
+
+@pytest.mark.slow
+def test_the_summary_does_not_count_a_cut_answer_that_is_a_whole_match(tmp_path, capsys):
+    """"100" of an integer and "aaa" of a+, cut by max_tokens 3, are whole matches (kept, no
+    error, as vLLM keeps them); the summary said they did not match their constraint."""
+    lines = [chat_line(0, "Give a big number.", max_tokens=3, temperature=0, guided_json={"type": "integer"}),
+             chat_line(1, "Say aaa.", max_tokens=3, temperature=0, guided_regex="a+"),
+             chat_line(2, "Give JSON.", max_tokens=3, temperature=0,
+                       guided_json={"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]})]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    assert main(["run", str(inp), "-o", str(out), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    texts = [o["response"]["body"]["choices"][0]["message"]["content"] for o in parse_outputs(out)]
+    assert re.fullmatch(r"-?[0-9]+", texts[0]) and re.fullmatch("a+", texts[1]) and texts[2].startswith("{"), texts
+    assert "1 of the ok rows were cut by max_tokens" in err, err
 
 
 @pytest.mark.slow
