@@ -57,6 +57,7 @@ SHUT_DOWN_AT_EXIT = "the endpoint pool was shut down as the Python interpreter e
 #: never holds the end of a batch.
 HEDGE_AFTER = 1.25
 PROBE_MIN_S, PROBE_MAX_S = 0.5, 10.0
+SERVER_ERRORS_WARNED = 3  # 5xx answers in a row from one endpoint that make a warning
 
 
 class RemoteBackend(StopCounts):
@@ -608,7 +609,11 @@ class RemoteBackend(StopCounts):
             self._requeue(sb.works, e, err, delay=0.0)
             return
         if err.kind == "server":  # a 5xx: the endpoint may be failing; it sends less for a while
-            e.on_overload(None, self.pool.backoff_s)
+            # As long as the works' own tries say: each sub-batch in flight that failed added to
+            # the endpoint's faults, and its backoff reached 30 s within a few (an endpoint that
+            # answered 500 to everything failed 30 prompts after 150 s, silently).
+            e.on_overload(None, self.pool.backoff_s, attempt=max(w.attempts for w in sb.works) + 1)
+            self._note_server_error(e, err)
         if len(sb.works) > 1:  # one prompt may be the cause: halves, each retried on its own
             mid = len(sb.works) // 2
             count = err.kind == "server"  # a 4xx names the request: splitting is no retry
@@ -622,6 +627,16 @@ class RemoteBackend(StopCounts):
             self._finish_error(w, err.message)
             return
         self._requeue([w], e, err, delay=backoff(self.pool.backoff_s, w.attempts + 1))
+
+    def _note_server_error(self, e: Endpoint, err: EndpointError) -> None:
+        """A warning once an endpoint has answered several requests in a row with a 5xx (a
+        server behind a broken proxy, a failing model): its work is retried, then fails."""
+        e.server_errors += 1
+        if e.server_errors == SERVER_ERRORS_WARNED:
+            log.warning("endpoint %s answered its last %d requests with an error of its own (%s): their prompts are "
+                        "retried, each at most %d times (EndpointPool(max_retries=...)) and for %gs "
+                        "(give_up_after), then fail", e.url, e.server_errors, err.message, self.pool.max_retries,
+                        self.pool.give_up_after)
 
     def _note_fault(self, e: Endpoint, err: EndpointError) -> None:
         if not err.endpoint_fault:
@@ -641,9 +656,15 @@ class RemoteBackend(StopCounts):
                 continue
             if count:
                 w.attempts += 1
+                if w.failing_since is None:
+                    w.failing_since = time.monotonic()
             if w.attempts > self.pool.max_retries:  # the endpoints' fault (a 5xx, a timeout): retryable
                 self._finish_error(w, f"failed after {w.attempts} tries; the last: {err.message}",
                                    retryable=err.kind != "request")
+                continue
+            if count and time.monotonic() - w.failing_since > self.pool.give_up_after:  # tries that take long
+                self._finish_error(w, f"failed for {self.pool.give_up_after:g}s ({w.attempts} tries); the last: "
+                                      f"{err.message}", retryable=err.kind != "request")
                 continue
             w.avoid = w.avoid | {e.index}
             again.append(w)

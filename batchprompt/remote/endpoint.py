@@ -62,6 +62,7 @@ class Endpoint:
         self.alive = True
         self.dead_reason: str | None = None
         self.failures = 0  # consecutive endpoint faults
+        self.server_errors = 0  # consecutive 5xx answers (none succeeded since)
         self.backoff_until = 0.0
         self.max_model_len: int | None = None  # as the endpoint reports it (vLLM's model card)
         self.accepts_token_ids: bool | None = None  # None until a token-id prompt was answered or refused
@@ -195,15 +196,17 @@ class Endpoint:
         self._done_tokens += done_tokens
 
     def on_success(self) -> None:
-        self.failures = 0
+        self.failures = self.server_errors = 0
         self.limit = min(float(self.max_in_flight), self.limit + 1.0 / max(self.limit, 1.0))
 
-    def on_overload(self, retry_after: float | None, base_s: float) -> float:
+    def on_overload(self, retry_after: float | None, base_s: float, attempt: int | None = None) -> float:
         """A 429/503 or a timeout: send less (the limit halves) and wait a while (Retry-After,
-        or exponential backoff with jitter); returns the wait."""
+        or exponential backoff with jitter); returns the wait. `attempt`: the failed work's own
+        tries, where the backoff follows them (a 5xx) rather than the endpoint's faults, which
+        every sub-batch in flight adds to."""
         self.failures += 1
         self.limit = max(1.0, self.limit / 2)
-        wait = retry_after if retry_after is not None else backoff(base_s, self.failures)
+        wait = retry_after if retry_after is not None else backoff(base_s, attempt or self.failures)
         self.backoff_until = max(self.backoff_until, time.monotonic() + wait)
         return wait
 

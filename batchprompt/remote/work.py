@@ -29,6 +29,7 @@ class Work:
     params: SamplingParams  # the item's, max_tokens clamped to the context
     tokens: int  # prompt + max_tokens: what it may cost the endpoint
     attempts: int = 0  # failed tries so far
+    failing_since: float | None = None  # time.monotonic() of its first failed try
     avoid: frozenset[int] = frozenset()  # the endpoints that failed it
     cap: int | None = None  # after a split: the most prompts its sub-batch may hold
     answered: bool = False

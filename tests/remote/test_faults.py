@@ -76,6 +76,32 @@ def test_an_endpoint_that_keeps_failing_leaves_its_prompts_retryable(proxy):
     assert all("failed after 2 tries" in r.error and "HTTP 500" in r.error for r in got), got
 
 
+def test_an_endpoint_answering_500_to_everything_fails_its_work_soon_and_says_so(proxy, caplog):
+    """With the default tries and backoff, 30 prompts on an endpoint that answers every request
+    with a 500 failed after 150 s, and nothing was logged meanwhile: each failed sub-batch in
+    flight raised the endpoint's backoff, which reached its 30 s cap within a few. The backoff now
+    follows each prompt's own tries (0.5 s, 1, 2, 4: about 8 s in all), and a warning names it."""
+    proxy.plan("500", 10_000)
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="batchprompt"), pool_of([proxy.url]) as pool:
+        got = bp.LanguageModel.create(model=pool, max_tokens=2).batch_prompt([f"Say hi #{i}" for i in range(30)])
+    took = time.monotonic() - t0
+    assert all(r.retryable and "failed after 5 tries" in r.error and "HTTP 500" in r.error for r in got), got[0]
+    assert took < 60, took  # a bound on waiting (it was 150 s), not a speed figure
+    assert any("answered its last 3 requests with an error of its own" in m for m in caplog.messages), caplog.messages
+
+
+def test_give_up_after_bounds_the_tries_of_work_that_keeps_failing(proxy):
+    """give_up_after bounded only the wait while no endpoint was alive: an endpoint that is up
+    but answers 500 kept its prompts for all their tries (here 50)."""
+    proxy.plan("500", 10_000)
+    t0 = time.monotonic()
+    with pool_of([proxy.url], backoff_s=0.5, max_retries=50, give_up_after=3) as pool:
+        got = bp.LanguageModel.create(model=pool, max_tokens=2).batch_prompt(PROMPTS[:2])
+    assert all(r.retryable and r.error.startswith("failed for 3s (") for r in got), got
+    assert time.monotonic() - t0 < 60
+
+
 def test_a_timeout_is_retried(two_servers, proxy, reference):
     want = reference(PROMPTS[:4], max_tokens=4)
     proxy.plan("delay:30", 1)  # the first request hangs past the timeout; the retry is answered
