@@ -14,6 +14,7 @@ the file, the line and the fix.
 """
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from typing import Iterable
 from urllib.parse import urlsplit
 
 #: host:port, as a hostfile line gives an endpoint (a name, IPv4, or [IPv6]), with no file of that name
-HOST_PORT = re.compile(r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):\d{1,5}")
+HOST_PORT = re.compile(r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):\d{1,5}(/\S*)?")
 
 
 class HostfileError(ValueError):
@@ -119,10 +120,13 @@ def endpoint_specs(endpoints: str | Path | Iterable[str | EndpointSpec]) -> list
     """A hostfile path, or a list of endpoints (strings in the hostfile's forms, or specs). A
     string that is a URL, or URLs joined by commas, is those endpoints, as vLLM's and OpenAI's
     users write a server: `http://127.0.0.1:8000/v1` (no file of that name is looked for)."""
+    if isinstance(endpoints, str) and not endpoints.strip():  # it read the hostfile "." ("Is a directory")
+        raise HostfileError("no endpoints given: pass a hostfile path, 'host:port' (several joined by commas) or "
+                            "a URL such as http://127.0.0.1:8000/v1")
     if isinstance(endpoints, str) and ("://" in endpoints or _host_ports(endpoints)):
         return endpoint_specs([e.strip() for e in endpoints.split(",") if e.strip()] or [endpoints])
     if isinstance(endpoints, (str, Path)):
-        return parse_hostfile(endpoints)
+        return _once_each(parse_hostfile(endpoints))
     out = []
     for i, e in enumerate(endpoints):
         if isinstance(e, EndpointSpec):
@@ -137,12 +141,18 @@ def endpoint_specs(endpoints: str | Path | Iterable[str | EndpointSpec]) -> list
             raise HostfileError(f"endpoint {i} is a {type(e).__name__}: give 'host:port' strings or a hostfile path")
     if not out:
         raise HostfileError("no endpoints given: pass a hostfile path or a list such as ['host1:8000', 'host2:8000']")
+    return _once_each(out)
+
+
+def _once_each(specs: list[EndpointSpec]) -> list[EndpointSpec]:
+    """`specs`, or an error naming a server listed twice (in any of its spellings: a hostfile's
+    were not checked, and the server got twice its share)."""
     seen: set[str] = set()
-    for s in out:
+    for s in specs:
         if s.url in seen:
             raise HostfileError(f"the endpoint {s.url} is listed twice: list each server once (weight=2 for more work)")
         seen.add(s.url)
-    return out
+    return specs
 
 
 def _host_ports(text: str) -> bool:
@@ -152,6 +162,9 @@ def _host_ports(text: str) -> bool:
 
 
 def _check_tags(tags: dict[str, str], where: str) -> None:
+    for key in tags:  # any tag is kept, but one a letter or two off weight is a typo (it was ignored)
+        if key != "weight" and difflib.get_close_matches(key.lower(), ["weight"], n=1, cutoff=0.7):
+            raise HostfileError(f"{where}: unknown tag {key!r}: did you mean weight={tags[key]}?")
     if "weight" in tags:
         try:
             w = float(tags["weight"])

@@ -62,3 +62,21 @@ def test_host_ports_given_for_the_hostfile_are_the_endpoints(tmp_path, monkeypat
     assert [s.url for s in endpoint_specs("hosts:1")] == ["http://10.0.0.1:9000"]
     with pytest.raises(HostfileError, match="cannot read the hostfile hosts.txt"):
         endpoint_specs("hosts.txt")
+
+
+def test_a_hostfile_typo_a_repeated_server_and_odd_strings_are_named(tmp_path, monkeypatch):
+    """A misspelt weight was kept as a tag of its own and ignored; a server listed twice in a
+    hostfile (in two spellings) got twice its share; "" read the hostfile "." ("Is a
+    directory"), and host:port/v1 was looked for as a file."""
+    f = tmp_path / "hosts"
+    f.write_text("node-1:8000 wieght=2\n")
+    with pytest.raises(HostfileError, match=r"hosts:1: unknown tag 'wieght': did you mean weight=2\?"):
+        parse_hostfile(f)
+    f.write_text("node-1:8000 role=big\nhttp://node-1:8000/v1\n")
+    with pytest.raises(HostfileError, match="http://node-1:8000 is listed twice"):
+        endpoint_specs(str(f))
+    with pytest.raises(HostfileError, match="no endpoints given"):
+        endpoint_specs("  ")
+    monkeypatch.chdir(tmp_path)
+    assert [s.url for s in endpoint_specs("127.0.0.1:19250/v1,node-2:8000")] == ["http://127.0.0.1:19250",
+                                                                                 "http://node-2:8000"]
