@@ -6,7 +6,7 @@ from collections import OrderedDict
 from typing import Iterable
 
 from .grammar import Grammar
-from .validate import dead_end, is_no_match
+from .validate import ENDLESS, dead_end, endless, is_no_match
 
 
 class GrammarError(ValueError):
@@ -97,6 +97,8 @@ class GrammarCompiler:
         error = messages[0] if is_error else matcher.get_error() if matcher.is_error() else None
         if error is not None:
             raise GrammarError(f"the grammar engine rejected the {grammar.kind}: {_short(error, grammar)}")
+        if endless(matcher.deep_copy()):  # `a: "x" a` with the model's own tokens (Lark that names them)
+            raise GrammarError(f"the {grammar.kind} cannot be satisfied: {ENDLESS}")
         reason = dead_end(matcher.deep_copy())  # one mask: a grammar that nothing matches fails now
         if reason is not None:
             raise GrammarError(f"the {grammar.kind} cannot be satisfied: no text the model can write matches it; "

@@ -23,6 +23,20 @@ def dead_end(matcher) -> str | None:
     return None if matcher.is_accepting() else reason
 
 
+#: A grammar whose forced text never ends (`a: "x" a`): no text can complete it.
+ENDLESS = ("no text can match it: it forces a text that never ends (a rule that only refers to itself, as "
+           "a: \"x\" a); give each such rule a way to end")
+
+
+def endless(matcher) -> bool:
+    """Whether the text that `matcher` forces from here never ends: llguidance then stops at its
+    limit of items ("Too many items ... ff_tokens"), and every request failed there, in its words."""
+    forced = matcher.compute_ff_tokens()
+    if not forced or matcher.consume_tokens(forced) or not matcher.is_error():
+        return False
+    return "Too many items" in matcher.get_error()
+
+
 def is_no_match(reason: str) -> bool:
     """llguidance's reason for a dead end where no byte can follow ('NoExtension...')."""
     return reason.startswith("NoExtension")
@@ -40,11 +54,13 @@ def _problem(grammar: Grammar) -> str | None:
     is_error, messages = LLMatcher.validate_grammar_with_warnings(text, None)
     if is_error:
         return f"the grammar engine rejected it: {messages[0].strip()}"
-    if grammar.kind == "lark":  # may name tokens of the model's vocabulary: probed by the engine
+    if grammar.kind == "lark" and "<" in grammar.source:  # may name the model's tokens: probed by the engine
         return None
     matcher = LLMatcher(_byte_tokenizer(), text, log_level=0)
     if matcher.is_error():
         return f"the grammar engine rejected it: {matcher.get_error().strip()}"
+    if endless(matcher.deep_copy()):
+        return ENDLESS
     reason = dead_end(matcher) or _first_bytes_problem(matcher)
     if reason is None:
         return None

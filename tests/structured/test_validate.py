@@ -57,3 +57,15 @@ def test_gbnf_unicode_escapes_match_their_characters():
     for text, ok in (("éàÿ😀中\\u00e9", True), ("e\u00e0😀中\\u00e9", False), ("éà😀中é", False)):
         m = LLMatcher(_byte_tokenizer(), grammar.to_llguidance(), log_level=0)
         assert (all(m.consume_token(b) for b in text.encode()) and m.is_accepting()) == ok, text
+
+
+@pytest.mark.parametrize("source", ['start: a\na: "x" a', 'start: a\na: "(" a ")"', 'root ::= a\na ::= "x" a'])
+def test_a_grammar_whose_text_never_ends_is_refused_before_any_work(source):
+    """No text completes it: it compiled, and every request failed at its first step in llguidance's
+    words ("parser error: Too many items (limit 50000; ff_tokens)")."""
+    problem = grammar_problem(Grammar.lark(source))
+    assert problem is not None and problem.startswith("no text can match it: it forces a text that never ends")
+
+
+def test_a_recursive_grammar_that_can_end_is_taken():
+    assert grammar_problem(Grammar.lark('start: a\na: "x" a | "y"')) is None
