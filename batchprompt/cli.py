@@ -24,6 +24,7 @@ INPUT formats (by extension; '-' reads JSONL from stdin):
            or "/v1/completions", "body": {...}}, or plain lines {"prompt": ...} / {"messages": [...]}
            with an optional "id"
   .csv     with --column naming the prompt column
+  .tsv     likewise, tab-separated, no quoting (each line one row)
   .parquet with --column (needs pyarrow)
 
 OUTPUT: OpenAI batch output lines {"id", "custom_id", "response": {"status_code", "request_id",
@@ -205,7 +206,7 @@ def _ray_cluster(args: argparse.Namespace):
                             ("--replica-cpus", args.replica_cpus), ("--replica-gpus", args.replica_gpus)) if v is not None]
     if not args.ray:
         if given:
-            raise ValueError(f"{', '.join(given)} need --ray")
+            raise ValueError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --ray")
         return None
     from .ray.cluster import RAY_MISSING, RayCluster, ray_available
 

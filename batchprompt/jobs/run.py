@@ -457,6 +457,9 @@ class JobRun:
             if taken:  # the output had two columns of that name
                 raise InputError(f"{opts.input} has a column named {taken[0]!r}, which --format table adds to the "
                                  f"output: rename that column, or write OpenAI lines (--format openai)")
+        if opts.journal is not None and opts.journal.strip() in ("", "-"):  # it made a SQLite file named "-"
+            raise InputError(f"--journal {opts.journal!r}: the journal is a SQLite file, not a stream: give a path "
+                             f"(with -o -, it is kept in the cache unless --journal says where)")
         errors_path = opts.errors or default_errors_path(opts.output)
         fp, settings, legacy_fp = fingerprint(table.raw, opts, table.rows)
         journal_path = opts.journal or (cache_dir() / "jobs" / f"{fp[:16]}.sqlite" if _streamed(opts.output)
@@ -840,7 +843,7 @@ def table_output_format(output: str, input_format: str) -> str:
     if name.endswith((".csv", ".tsv")):
         return "csv"
     if name.endswith(".jsonl"):
-        raise InputError(f"{output}: --format table writes a table: name the output .csv or .parquet "
+        raise InputError(f"{output}: --format table writes a table: name the output .csv, .tsv or .parquet "
                          f"(or leave out --format table for OpenAI's JSONL)")
     return input_format
 

@@ -206,6 +206,8 @@ def _one_row_job(tmp_path: Path) -> tuple[Path, Path]:
     (["--device", "cuda:99"], "--device cuda:99: "),  # no CUDA here, or no GPU 99
     (["--max-model-len", "0"], "--max-model-len must be >= 2"),
     (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1, got 0"),  # was a traceback after the journal opened
+    (["--journal", "-"], "--journal '-': the journal is a SQLite file, not a stream"),  # made a file named "-"
+    (["--replicas", "2"], "--replicas needs --ray"),
 ])
 def test_bad_hardware_options_fail_before_any_work(tmp_path, capsys, flags, message):
     inp, out = _one_row_job(tmp_path)
@@ -311,7 +313,7 @@ def test_help_documents_the_hardware_options_with_examples(capsys):
         main(["run", "--help"])
     text = " ".join(capsys.readouterr().out.split())  # an example may wrap between its words
     for example in ("--device cuda:1", "--dtype float32", "--max-model-len 4096", "--kv-cache-memory 8GiB",
-                    "30%", "--max-num-seqs 64"):
+                    "30%", "--max-num-seqs 64", ".tsv"):
         assert example in text, example
 
 
