@@ -264,7 +264,7 @@ def run_command(args: argparse.Namespace) -> int:
             raise ValueError("--choice-mode score needs the engine's label scoring, which OpenAI-compatible "
                              "servers do not offer: leave --choice-mode out (decode) with --endpoints")
         cluster = _ray_cluster(args)
-        with sigterm_as_interrupt():  # Ctrl-C or SIGTERM while the pool waits for its servers
+        with sigterm_as_interrupt(hold_after=True):  # Ctrl-C or SIGTERM while the pool waits for its servers
             pool = _endpoint_pool(args)
         if pool is not None:
             cluster, args.model = pool, pool.model  # the served model (also in the journal's fingerprint)
@@ -285,7 +285,7 @@ def run_command(args: argparse.Namespace) -> int:
                       device=device, dtype=args.dtype, engine_options=engine_options, structured=structured,
                       cluster=cluster)
     try:
-        with sigterm_as_interrupt():
+        with sigterm_as_interrupt(hold_after=True):  # a second signal, even as the summary prints: ignored
             summary = run_job(opts)
     except (InputError, ModelNotFoundError, JournalMismatch, JournalBusy, EngineConfigError,
             EngineOptionsConflict) as e:

@@ -16,12 +16,14 @@ class Terminated(KeyboardInterrupt):
 
 
 @contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
+def sigterm_as_interrupt(hold_after: bool = False) -> Iterator[None]:
     """While inside, the first SIGTERM raises Terminated and the first Ctrl-C KeyboardInterrupt, as
     always; any later one of either is ignored, so that the journal commit and the summary that
     follow the first are not cut short (SIGKILL still ends the process). A second Ctrl-C pressed
     at once (as an impatient user does) escaped the job's cleanup: "interrupted before any row
-    ran", no summary, where 14 rows were kept in the journal."""
+    ran", no summary, where 14 rows were kept in the journal. `hold_after`: once one came, they stay
+    ignored after the block too (a command that then prints its summary and exits: the handlers
+    put back, a second Ctrl-C 0.3 s after the first ended it by the signal)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -40,4 +42,4 @@ def sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         for signum, before in previous.items():
-            signal.signal(signum, before)
+            signal.signal(signum, signal.SIG_IGN if fired and hold_after else before)

@@ -101,7 +101,8 @@ def _load_hf_weights(source: ModelSource) -> tuple[ModelArgs, dict[str, torch.Te
     from safetensors.torch import load_file
 
     args = ModelArgs.from_hf_config(json.loads((source.path / "config.json").read_text()))
-    args = dataclasses.replace(args, eos_token_ids=_with_generation_eos(args.eos_token_ids, source.path))
+    args = dataclasses.replace(args, eos_token_ids=_with_generation_eos(args.eos_token_ids, source.path,
+                                                                        args.vocab_size))
     files = sorted(source.path.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"{source.path} has a config.json but no *.safetensors weights")
@@ -111,7 +112,7 @@ def _load_hf_weights(source: ModelSource) -> tuple[ModelArgs, dict[str, torch.Te
     return args, state
 
 
-def _with_generation_eos(eos: tuple[int, ...], path: Path) -> tuple[int, ...]:
+def _with_generation_eos(eos: tuple[int, ...], path: Path, vocab_size: int) -> tuple[int, ...]:
     """`eos` and generation_config.json's end-of-sequence ids, as vLLM and transformers stop on
     them: a Llama 3 Instruct's config.json names <|end_of_text|> alone, and its answers end with
     <|eot_id|>, which only generation_config.json names (they ran on past the answer's end)."""
@@ -121,7 +122,10 @@ def _with_generation_eos(eos: tuple[int, ...], path: Path) -> tuple[int, ...]:
         return eos
     more = gen.get("eos_token_id") if isinstance(gen, dict) else None
     more = more if isinstance(more, list) else [more]
-    return eos + tuple(i for i in more if isinstance(i, int) and not isinstance(i, bool) and i not in eos)
+    # Ids of the vocabulary only: one beyond it failed every request with min_tokens (IndexError) or
+    # a grammar (llguidance refuses it).
+    return eos + tuple(i for i in more if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size
+                       and i not in eos)
 
 
 def to_internal_state(args: ModelArgs, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -634,9 +634,8 @@ class RemoteBackend(StopCounts):
         e.server_errors += 1
         if e.server_errors == SERVER_ERRORS_WARNED:
             log.warning("endpoint %s answered its last %d requests with an error of its own (%s): their prompts are "
-                        "retried, each at most %d times (EndpointPool(max_retries=...)) and for %gs "
-                        "(give_up_after), then fail", e.url, e.server_errors, err.message, self.pool.max_retries,
-                        self.pool.give_up_after)
+                        "tried again (at most %d tries each, max_retries + 1, within %gs, give_up_after), then fail",
+                        e.url, e.server_errors, err.message, self.pool.max_retries + 1, self.pool.give_up_after)
 
     def _note_fault(self, e: Endpoint, err: EndpointError) -> None:
         if not err.endpoint_fault:

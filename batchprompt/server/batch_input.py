@@ -116,7 +116,8 @@ def _request_problem(n: int, obj: dict, endpoint: str, model_id: str, models: se
     body = obj.get("body")
     if not isinstance(body, dict):
         return "missing_body", f"line {n}: the line needs a body object (the request)", "body"
-    if body.get("stream"):  # OpenAI's Batch API refuses it as it validates the file
+    if body.get("stream") is True:  # OpenAI's Batch API refuses it as it validates the file (another
+        # value is that row's 422, as the endpoint answers it)
         return ("invalid_request", f"line {n}: a batch request cannot stream (stream: true): its result goes to "
                                    f"the batch's output file; remove stream and stream_options", "body.stream")
     model = body.get("model")

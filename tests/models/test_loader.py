@@ -104,7 +104,7 @@ def test_generation_config_end_of_sequence_ids_stop_generation_too(tiny_model_di
     config = json.loads((model / "config.json").read_text())
     config["eos_token_id"] = 2
     (model / "config.json").write_text(json.dumps(config))
-    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, True, "x"]}))
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, True, "x", -1, 10**9]}))
     args, _ = load_hf_weights(resolve_model(str(model)))
     assert args.eos_token_ids == (2, 7)
     (model / "generation_config.json").write_text("{not json")  # unreadable: config.json's alone, as before

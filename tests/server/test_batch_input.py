@@ -57,6 +57,9 @@ def test_a_request_that_asks_to_stream_fails_the_batch_as_openai_validates_it():
     [err] = got.errors
     assert (err["line"], err["code"], err["param"]) == (2, "invalid_request", "body.stream")
     assert err["message"].startswith("line 2: a batch request cannot stream (stream: true)")
+    # Another value is the row's own 422, as the endpoint answers it (not the whole file's failure).
+    got = check(line("a"), line("b", stream="false"), line("c", stream=1))
+    assert got.ok and [getattr(r, "code", None) for r in got.rows] == [None, "invalid_type", "invalid_type"]
 
 
 def test_an_empty_custom_id_is_named_as_empty():
