@@ -411,6 +411,9 @@ def _structured_options(args: argparse.Namespace) -> dict:
         try:
             opts["json_schema"] = json_loads(source)  # nested too deeply: this error, not a RecursionError
         except json.JSONDecodeError as e:
+            if e.msg.startswith("nested too deeply"):  # valid JSON, too deep for the parser ("line 1 column 1")
+                raise ValueError(f"--json-schema {args.json_schema}: nested too deeply for the JSON parser; for a "
+                                 f"recursive structure, refer to a definition with $ref") from None
             raise ValueError(f"--json-schema {args.json_schema}: not valid JSON ({e})") from None
     try:
         OutputSpec.from_options(**opts)

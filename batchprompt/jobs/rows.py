@@ -379,11 +379,13 @@ def parse_line(n: int, line: str) -> Row | RowError:
         return _openai_row(n, obj)
     raw = obj.get("id")  # null is no id (it became the id "None"); a number or other JSON reads as JSON
     cid = f"line-{n}" if raw is None else raw if isinstance(raw, str) else json.dumps(raw, ensure_ascii=False)
-    if "messages" in obj and obj.get("prompt") is not None:  # the prompt was dropped without a word
+    if obj.get("messages") is not None and obj.get("prompt") is not None:  # the prompt was dropped, unsaid
         return RowError(n, cid, "invalid_request", f"line {n}: the line has both prompt and messages: give one "
                                                    f"(prompt: one user turn; messages: the whole chat)", "prompt")
-    body = {k: v for k, v in obj.items() if k not in PLAIN_LINE_KEYS}
-    return row_from_body(n, cid, CHAT if "messages" in obj else COMPLETION_OR_CHAT, body)
+    chat = obj.get("messages") is not None or ("messages" in obj and obj.get("prompt") is None)  # a null is none
+    other = "prompt" if chat else "messages"  # null beside the one given: left out
+    body = {k: v for k, v in obj.items() if k not in PLAIN_LINE_KEYS and not (k == other and v is None)}
+    return row_from_body(n, cid, CHAT if chat else COMPLETION_OR_CHAT, body)
 
 
 def custom_id_wanted(cid: Any) -> str | None:

@@ -458,7 +458,8 @@ class JobRun:
                 raise InputError(f"{opts.input} has a column named {taken[0]!r}, which --format table adds to the "
                                  f"output: rename that column, or write OpenAI lines (--format openai)")
         if opts.journal is not None and opts.journal.strip() in ("", "-"):  # it made a SQLite file named "-"
-            raise InputError(f"--journal {opts.journal!r}: the journal is a SQLite file, not a stream: give a path "
+            what = "not a stream" if opts.journal.strip() else "with a name"
+            raise InputError(f"--journal {opts.journal!r}: the journal is a SQLite file, {what}: give a path "
                              f"(with -o -, it is kept in the cache unless --journal says where)")
         errors_path = opts.errors or default_errors_path(opts.output)
         fp, settings, legacy_fp = fingerprint(table.raw, opts, table.rows)

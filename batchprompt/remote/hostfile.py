@@ -76,6 +76,9 @@ def parse_endpoint(text: str, tags: dict[str, str] | None = None, where: str = "
     if port is None and "://" not in words[0]:
         raise HostfileError(f"{where}: {text!r} has no port; give host:port (e.g. {words[0]}:8000)")
     path = parts.path.rstrip("/")
+    for route in ("/chat/completions", "/completions"):  # a route's URL pasted for the server's
+        if path.endswith("/v1" + route):
+            path = path[:-len(route)]
     if path.endswith("/v1"):
         path = path[:-3]
     netloc = parts.hostname if port is None else f"{_host(parts.hostname)}:{port}"
@@ -90,7 +93,10 @@ def parse_hostfile(path: str | Path) -> list[EndpointSpec]:
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as e:
-        raise HostfileError(f"cannot read the hostfile {p}: {e.strerror or e}") from None
+        hint = (f" (if {str(path)!r} is a server, give its port: {path}:8000)"
+                if isinstance(e, FileNotFoundError) and re.fullmatch(r"[A-Za-z0-9.-]+|\[[0-9a-fA-F:.]+\]", str(path))
+                else "")
+        raise HostfileError(f"cannot read the hostfile {p}: {e.strerror or e}{hint}") from None
     except UnicodeDecodeError:
         raise HostfileError(f"{p} is not UTF-8 text: a hostfile lists one endpoint (host:port) a line") from None
     out = []

@@ -316,8 +316,11 @@ def test_a_plain_lines_null_id_is_no_id_and_prompt_beside_messages_is_refused():
     # with both prompt and messages ran the messages and dropped the prompt without a word.
     rows = read_jsonl(lines({"id": None, "prompt": "a"}, {"id": None, "prompt": "b"}, {"id": 7, "prompt": "c"},
                             {"id": True, "prompt": "d"},
-                            {"prompt": "e", "messages": [{"role": "user", "content": "f"}]}))
-    assert [r.custom_id for r in rows] == ["line-1", "line-2", "7", "true", "line-5"]
+                            {"prompt": "e", "messages": [{"role": "user", "content": "f"}]},
+                            {"prompt": "g", "messages": None}, {"prompt": None, "messages": [{"role": "user",
+                                                                                             "content": "h"}]}))
+    assert [r.custom_id for r in rows] == ["line-1", "line-2", "7", "true", "line-5", "line-6", "line-7"]
+    assert [type(r).__name__ for r in rows[5:]] == ["Row", "Row"]  # a null is no prompt, no messages
     assert isinstance(rows[4], RowError) and rows[4].code == "invalid_request" and "both prompt and messages" in (
         rows[4].message)
 

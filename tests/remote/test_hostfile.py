@@ -80,3 +80,13 @@ def test_a_hostfile_typo_a_repeated_server_and_odd_strings_are_named(tmp_path, m
     monkeypatch.chdir(tmp_path)
     assert [s.url for s in endpoint_specs("127.0.0.1:19250/v1,node-2:8000")] == ["http://127.0.0.1:19250",
                                                                                  "http://node-2:8000"]
+
+
+def test_a_routes_url_is_its_servers_and_a_bare_host_is_told_to_give_a_port(tmp_path, monkeypatch):
+    # The route's URL was taken as a base (GET .../v1/chat/completions/v1/models, a 404); a host
+    # without a port was "cannot read the hostfile 127.0.0.1", alone.
+    assert [s.url for s in endpoint_specs("http://h:8000/v1/chat/completions,https://g/v1/completions")] == [
+        "http://h:8000", "https://g"]
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(HostfileError, match=r"if '127.0.0.1' is a server, give its port: 127.0.0.1:8000"):
+        endpoint_specs("127.0.0.1")
