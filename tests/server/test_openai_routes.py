@@ -98,6 +98,10 @@ def test_the_answers_id_carries_the_clients_request_id_as_vllm_makes_it(server):
     assert out.id == "cmpl-mine-9"
     assert re.fullmatch(r"chatcmpl-[0-9a-f]{32}", client.chat.completions.create(
         **chat, extra_headers={"X-Request-Id": "not a token"}, extra_body={"request_id": 5}).id)
+    import httpx  # two headers: the answer's header and its id take the same one (the id took the first)
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60,
+                   headers=[("X-Request-Id", "one"), ("X-Request-Id", "two")])
+    assert (r.headers["x-request-id"], r.json()["id"]) == ("two", "chatcmpl-two")
 
 
 def test_logprob_bytes_rebuild_the_content(server):
