@@ -141,24 +141,30 @@ def test_the_requests_a_cancel_counts_as_finished_outlive_a_kill_9(tmp_path):
         assert stop_server(srv) == 0, srv.output()
 
 
-def test_a_batch_that_no_longer_validates_on_resume_fails_with_the_rows_it_had_finished(tmp_path):
-    """A batch in progress whose input no longer validates when the server starts again (here
-    its file was damaged on disk while the server was down) fails, naming the line. It kept the
-    ids of output and error files that were never written: files.content(output_file_id)
-    answered 404. Its output file now holds the requests finished before the restart, and an
-    error file with nothing in it is dropped (its id null), as at any end."""
+def _killed_after_four_of_five(tmp_path: Path):
+    """A server killed (-9) once 4 quick requests of a 5-request batch are journaled (the fifth is
+    long): the data dir, a working folder for the next server, the file, the batch, its journal."""
     data, first_dir, second_dir = _dirs(tmp_path)
     srv = start_server(first_dir, "--data-dir", str(data))
     try:
         client = srv.openai()
-        quick = [completion_line(f"q{i}", f"Item {i}:", 2) for i in range(4)]
-        f = upload(client, quick + [long_line("long0", 3000)])
+        f = upload(client, [completion_line(f"q{i}", f"Item {i}:", 2) for i in range(4)] + [long_line("long0", 3000)])
         batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
         journal = data / "batches" / f"{batch.id}.journal"
         _wait_journaled(journal, 4)
     finally:
         srv.proc.send_signal(signal.SIGKILL)
         srv.proc.wait(STOP_TIMEOUT_S)
+    return data, second_dir, f, batch, journal
+
+
+def test_a_batch_that_no_longer_validates_on_resume_fails_with_the_rows_it_had_finished(tmp_path):
+    """A batch in progress whose input no longer validates when the server starts again (here
+    its file was damaged on disk while the server was down) fails, naming the line. It kept the
+    ids of output and error files that were never written: files.content(output_file_id)
+    answered 404. Its output file now holds the requests finished before the restart, and an
+    error file with nothing in it is dropped (its id null), as at any end."""
+    data, second_dir, f, batch, _ = _killed_after_four_of_five(tmp_path)
     path = data / "files" / f.id
     path.write_bytes(path.read_bytes() + b"{not json\n")
     srv = start_server(second_dir, "--data-dir", str(data))
@@ -179,17 +185,7 @@ def test_a_batch_whose_journal_was_damaged_fails_with_no_file_ids_left_over(tmp_
     """A journal that is no longer SQLite when the server starts again: the batch failed, as it
     should, but kept the ids of output and error files never written (their content a 404), and
     its message said to "give another --journal", an option of `run`, not of `serve`."""
-    data, first_dir, second_dir = _dirs(tmp_path)
-    srv = start_server(first_dir, "--data-dir", str(data))
-    try:
-        client = srv.openai()
-        f = upload(client, [completion_line(f"q{i}", f"Item {i}:", 2) for i in range(4)] + [long_line("long0", 3000)])
-        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
-        journal = data / "batches" / f"{batch.id}.journal"
-        _wait_journaled(journal, 4)
-    finally:
-        srv.proc.send_signal(signal.SIGKILL)
-        srv.proc.wait(STOP_TIMEOUT_S)
+    data, second_dir, _, batch, journal = _killed_after_four_of_five(tmp_path)
     for side in (journal.with_name(journal.name + "-wal"), journal.with_name(journal.name + "-shm")):
         side.unlink(missing_ok=True)
     journal.write_bytes(b"not a database at all\n" * 100)
