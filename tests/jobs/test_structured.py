@@ -167,8 +167,8 @@ def test_the_summary_does_not_count_a_cut_answer_that_is_a_whole_match(tmp_path,
     error, as vLLM keeps them); the summary said they did not match their constraint."""
     lines = [chat_line(0, "Give a big number.", max_tokens=3, temperature=0, guided_json={"type": "integer"}),
              chat_line(1, "Say aaa.", max_tokens=3, temperature=0, guided_regex="a+"),
-             chat_line(2, "Give JSON.", max_tokens=3, temperature=0,
-                       guided_json={"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]})]
+             chat_line(2, "Give JSON.", max_tokens=3, temperature=0, guided_json={
+                 "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]})]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("\n".join(lines) + "\n")
     assert main(["run", str(inp), "-o", str(out), "--no-progress"]) == 0
