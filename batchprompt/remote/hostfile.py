@@ -151,8 +151,8 @@ def endpoint_specs(endpoints: str | Path | Iterable[str | EndpointSpec]) -> list
 
 
 def _once_each(specs: list[EndpointSpec]) -> list[EndpointSpec]:
-    """`specs`, or an error naming a server listed twice (in any of its spellings: a hostfile's
-    were not checked, and the server got twice its share)."""
+    """`specs`, or an error naming a server listed twice (as host:port or as its URL alike: a
+    hostfile's were not checked, and the server got twice its share)."""
     seen: set[str] = set()
     for s in specs:
         if s.url in seen:
