@@ -23,9 +23,11 @@ class JournalBusy(Exception):
 
 
 class JobLock:
-    def __init__(self, journal_path: str | Path):
+    def __init__(self, journal_path: str | Path, what: str | None = None):
+        """`what`: what the lock guards, as the message of a second run names it (the journal)."""
         self.journal = Path(journal_path)
         self.path = Path(str(journal_path) + ".lock")
+        self.what = what or f"the journal {self.journal}"
         self._fd: int | None = None
 
     def __enter__(self) -> "JobLock":
@@ -47,7 +49,7 @@ class JobLock:
                     os.close(fd)
                     if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                         raise JournalBusy(
-                            f"the journal {self.journal} is in use by another batchprompt run ({holder}); wait "
+                            f"{self.what} is in use by another batchprompt run ({holder}); wait "
                             f"for it to finish, or stop it (it resumes from the journal) and run again") from None
                     raise
                 # The last holder removes the file as it lets go: if that happened between our

@@ -482,7 +482,8 @@ class JobRun:
 
         if opts.dry_run:
             return self.dry_run(table)
-        with JobLock(journal_path):  # a second run of this job stops here, naming this one
+        with JobLock(journal_path), _output_lock(opts.output, journal_path):  # a second run stops here, naming
+            # this one (one that writes the same output through a link, or with its own --journal, too)
             fresh = not Path(journal_path).exists()
             journal = Journal(journal_path, fp, restart=opts.restart, settings=settings, legacy=legacy_fp)
             unused = False
@@ -958,6 +959,21 @@ def _lines_in(path: Path) -> int:
         while block := f.read(1 << 20):
             count += block.count(b"\n")
     return count
+
+
+def _output_lock(output: str, journal_path: str | Path):
+    """The lock of the file the output is (as the journal's lock of a run writing it by that name,
+    with its default journal): two runs wrote one output at once, the last one's rows winning, where
+    one named it through a link or gave its own --journal. Nothing to hold for a stream, or where
+    the journal's lock is that one."""
+    if _streamed(output):
+        return contextlib.nullcontext()
+    guarded = os.path.realpath(output) + ".journal"
+    if guarded == os.path.realpath(journal_path):
+        return contextlib.nullcontext()
+    return JobLock(guarded, what=f"the output {output}" + (f" ({os.path.realpath(output)})"
+                                                            if os.path.realpath(output) != os.path.abspath(output)
+                                                            else ""))
 
 
 def run_job(opts: JobOptions, out=None) -> JobSummary:

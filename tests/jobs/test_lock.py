@@ -54,6 +54,21 @@ def test_a_run_or_a_restart_beside_a_running_one_exits_2_and_leaves_its_journal(
     assert not out.exists()
 
 
+def test_a_run_that_writes_the_same_output_another_way_exits_2(tmp_path, capsys, no_model):
+    """Through a link to the output, or with a --journal of its own, a second run wrote the same
+    output at once (the last to finish won, and the other's journal then counted itself complete)."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_sms_batch(inp, 3)
+    out.touch()
+    (tmp_path / "link.jsonl").symlink_to(out)
+    with JobLock(tmp_path / "out.jsonl.journal"):  # as a run of `-o out.jsonl` holds it
+        for args in (["-o", str(tmp_path / "link.jsonl")], ["-o", str(out), "--journal", str(tmp_path / "j")]):
+            assert main(["run", str(inp), *args, "--no-progress"]) == 2
+            err = capsys.readouterr().err
+            assert "is in use by another batchprompt run" in err and "the output " in err, err
+    assert not (tmp_path / "link.jsonl.journal").exists() and not (tmp_path / "j").exists()
+
+
 @pytest.mark.slow
 def test_two_real_runs_of_one_job_the_second_stops_at_once(tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
