@@ -54,7 +54,7 @@ def refuse_unsupported(body: dict) -> dict:
     """The body to run, or Refused naming a field batchprompt cannot honour."""
     for name, noop in _NOOP.items():
         if name in body and not noop(body[name]):
-            raise Refused(f"{name}: {_shown(body[name])}: batchprompt does not support it; leave it out",
+            raise Refused(f"{name}: {shown(body[name])}: batchprompt does not support it; leave it out",
                           "unsupported_parameter", name)
     if body.get("stream_options") is not None and not body.get("stream"):
         raise Refused("stream_options is only allowed with stream: true", "invalid_parameter", "stream_options")
@@ -69,7 +69,7 @@ def refuse_unsupported(body: dict) -> dict:
     return body
 
 
-def _shown(value) -> str:
+def shown(value) -> str:
     """A body's value as JSON writes it (true, not True), cut short."""
     text = json.dumps(value, ensure_ascii=False, default=str)
     return text if len(text) <= 60 else text[:57] + "..."

@@ -312,21 +312,15 @@ def row_spec(row: Row, opts: JobOptions) -> OutputSpec | None:
     if rf is not None and not (isinstance(rf, dict) and rf.get("type") in ("text", "json_object", "json_schema")):
         # A body's, from JSON: the Python API's message offered "a pydantic model class" here.
         raise ValueError(f'response_format must be {{"type": "json_schema", "json_schema": {{"name": ..., "schema": '
-                         f'{{...}}}}}}, {{"type": "json_object"}} or {{"type": "text"}}; got {_json_shown(rf)}')
+                         f'{{...}}}}}}, {{"type": "json_object"}} or {{"type": "text"}}; got {refusals.shown(rf)}')
     asked = {"choices": one("guided_choice", "choice"), "regex": one("guided_regex", "regex"),
-             "json_schema": json_schema, "grammar": one("guided_grammar", "grammar"),
-             "response_format": b.get("response_format")}
+             "json_schema": json_schema, "grammar": one("guided_grammar", "grammar"), "response_format": rf}
     if all(v is None for v in asked.values()):
         asked = {k: v for k, v in opts.structured.items() if k != "choice_mode"}
     if b.get("choice_mode") is not None and asked.get("choices") is None:  # it was ignored: free text came back
         raise ValueError(f"choice_mode {b['choice_mode']!r} picks among choices: give guided_choice (or "
                          f"structured_outputs.choice) with it, or leave choice_mode out")
     return OutputSpec.from_options(choice_mode=b.get("choice_mode", opts.structured.get("choice_mode")), **asked)
-
-
-def _json_shown(value: Any, limit: int = 200) -> str:
-    text = json.dumps(value, ensure_ascii=False, default=repr)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _check_structured_keys(so: dict) -> None:
@@ -968,12 +962,11 @@ def _output_lock(output: str, journal_path: str | Path):
     the journal's lock is that one."""
     if _streamed(output):
         return contextlib.nullcontext()
-    guarded = os.path.realpath(output) + ".journal"
-    if guarded == os.path.realpath(journal_path):
+    real = os.path.realpath(output)
+    if real + ".journal" == os.path.realpath(journal_path):
         return contextlib.nullcontext()
-    return JobLock(guarded, what=f"the output {output}" + (f" ({os.path.realpath(output)})"
-                                                            if os.path.realpath(output) != os.path.abspath(output)
-                                                            else ""))
+    return JobLock(real + ".journal", what=f"the output {output}" + (f" ({real})" if real != os.path.abspath(output)
+                                                                     else ""))
 
 
 def run_job(opts: JobOptions, out=None) -> JobSummary:
