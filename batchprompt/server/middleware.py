@@ -39,7 +39,9 @@ class RecordMetrics:
             return
         status = 500  # if the app fails before it answers
         t0 = time.perf_counter()
-        request_id = _request_id(scope)
+        given = client_request_id(dict(scope["headers"]).get(b"x-request-id"))  # the last, if sent twice
+        scope.setdefault("state", {})["client_request_id"] = given  # the answer's id takes it (request.state)
+        request_id = given.encode() if given is not None else uuid.uuid4().hex.encode()
 
         async def send_status(message: Message) -> None:
             nonlocal status
@@ -60,12 +62,6 @@ class RecordMetrics:
             if match != Match.NONE and getattr(route, "path", None):
                 return route.path
         return None
-
-
-def _request_id(scope: Scope) -> bytes:
-    """The client's X-Request-Id when it is a short printable token, else a new random one."""
-    given = client_request_id(dict(scope["headers"]).get(b"x-request-id", b""))
-    return given.encode() if given is not None else uuid.uuid4().hex.encode()
 
 
 def client_request_id(given: bytes | str | None) -> str | None:

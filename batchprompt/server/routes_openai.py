@@ -64,8 +64,7 @@ async def _complete(request: Request, schema, plan_fn, chat: bool):
     # Rendering and tokenizing take the tokenizer's lock and some CPU: off the event loop.
     # The answer's id is the client's request id where it gave one, as vLLM makes it
     # (chatcmpl-<X-Request-Id>, else the body's request_id), so logs on both sides match.
-    given = request.headers.getlist("x-request-id")[-1:]  # the last, as the answer's header takes it
-    rid = client_request_id(given[0] if given else None) or client_request_id(body.get("request_id"))
+    rid = getattr(request.state, "client_request_id", None) or client_request_id(body.get("request_id"))
     plan = await asyncio.to_thread(plan_fn, body, service.tokenizer, service.max_model_len, rid)
     batch = Batch(service, plan.prepared)
     created = int(time.time())
