@@ -184,7 +184,7 @@ def _from_response_format(fmt: Any, json_schema: Any) -> Any:
         inner = fmt.get("json_schema")
         if isinstance(inner, dict) and inner.get("strict") is not None and not isinstance(inner["strict"], bool):
             raise ValueError(f"response_format.json_schema.strict must be true or false, got {inner['strict']!r}")
-        if isinstance(inner, dict) and isinstance(inner.get("schema"), dict):
+        if isinstance(inner, dict) and isinstance(inner.get("schema"), (dict, bool)):  # true: any JSON value
             return inner["schema"]
         got = (f"; its schema is {type(inner['schema']).__name__}, not a JSON object"
                if isinstance(inner, dict) and "schema" in inner else "")
@@ -205,8 +205,9 @@ def _checked(option: str, grammar: Grammar) -> Grammar:
 def _checked_schema(option: str, schema: Any) -> Grammar:
     """_checked for a JSON schema, whose objects are closed: where only the closing makes it
     unusable ("minProperties": 2 with one property listed), the error says so and how to open it."""
+    grammar = Grammar.json_schema(schema, JSON_DEFAULTS)  # not a schema at all: that error alone
     try:
-        return _checked(option, Grammar.json_schema(schema, JSON_DEFAULTS))
+        return _checked(option, grammar)
     except ValueError as e:
         if grammar_problem(Grammar.json_schema(schema, JSON_DEFAULTS, close=False)) is not None:
             raise

@@ -62,6 +62,11 @@ class Grammar:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
                 raise ValueError(f"json_schema is not valid JSON: {e}") from None
+        if schema is True:  # JSON Schema's boolean form: `true` is any JSON value, as `{}`
+            schema = {}
+        elif schema is False:
+            raise ValueError("json_schema is `false`, which no JSON value matches: give a schema that some value "
+                             "fits (`true` or `{}` for any JSON)")
         if not isinstance(schema, dict):
             raise ValueError(f"json_schema must be a dict (a JSON schema) or a pydantic model class, "
                              f"got {type(schema).__name__}")

@@ -236,11 +236,24 @@ def test_a_rejected_schema_fails_its_call_before_any_work(lm, messages):
     # OpenAI refuses a strict that is not a boolean ("yes" was taken as given)
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": {}, "strict": "yes"}}},
      "json_schema.strict must be true or false, got 'yes'"),
+    # JSON Schema's `false` matches nothing (it said "must be a dict", and a response_format one
+    # "its schema is bool, not a JSON object")
+    ({"json_schema": False}, "`false`, which no JSON value matches"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": False}}},
+     "`false`, which no JSON value matches"),
 ])
 def test_options_the_grammar_engine_rejects_are_value_errors_at_once(options, message):
     """No model and no tokenizer needed: the CLI checks its flags with this before loading one."""
     with pytest.raises(ValueError, match=message):
         OutputSpec.from_options(**options)
+
+
+@pytest.mark.parametrize("options", [{"json_schema": True},
+                                     {"response_format": {"type": "json_schema",
+                                                          "json_schema": {"name": "any", "schema": True}}}])
+def test_a_true_schema_is_any_json_value(options):
+    """JSON Schema's boolean `true` (which OpenAI's response_format and vLLM pass on) is `{}`."""
+    assert OutputSpec.from_options(**options).grammar == OutputSpec.from_options(json_schema={}).grammar
 
 
 def test_a_dict_schema_admits_only_its_properties(engine32, messages):

@@ -31,6 +31,19 @@ def test_grammar_constructors_check_their_input():
     assert Grammar.json_schema({"a": 1, "b": 2}) != Grammar.json_schema('{"b": 2, "a": 1}')
 
 
+def test_a_boolean_json_schema_is_json_schemas_true_or_false(compiler):
+    # JSON Schema's boolean form (as OpenAI's response_format and vLLM pass it on): `true` is any
+    # JSON value, as `{}`; `false` matches nothing, so it is refused before any work. Both said
+    # "must be a dict".
+    assert Grammar.json_schema(True) == Grammar.json_schema("true") == Grammar.json_schema({})
+    matcher = compiler.matcher(Grammar.json_schema(True))
+    assert matcher is not None
+    with pytest.raises(ValueError, match="`false`, which no JSON value matches"):
+        Grammar.json_schema(False)
+    with pytest.raises(ValueError, match="must be a dict"):
+        Grammar.json_schema([])
+
+
 @pytest.mark.parametrize("grammar, message", [
     (Grammar.regex("a(b"), "unclosed group"),
     (Grammar.json_schema({"type": "object", "properties": {"a": {"type": "strin"}}}), "strin"),
