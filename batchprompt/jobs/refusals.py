@@ -52,9 +52,12 @@ class Refused(ValueError):
 
 def refuse_unsupported(body: dict) -> dict:
     """The body to run, or Refused naming a field batchprompt cannot honour."""
+    shown_tools = _tools_shown(body)
     for name, noop in _NOOP.items():
-        if name in body and not noop(body[name]):
-            raise Refused(f"{name}: {shown(body[name])}: batchprompt does not support it; leave it out",
+        if name in body and not noop(body[name]) and not (name == "tools" and shown_tools):
+            hint = (' (or send tool_choice: "none": the chat template then shows them to the model, which '
+                    'answers in text)' if name == "tools" else "")
+            raise Refused(f"{name}: {shown(body[name])}: batchprompt does not support it; leave it out{hint}",
                           "unsupported_parameter", name)
     if body.get("stream_options") is not None and not body.get("stream"):
         raise Refused("stream_options is only allowed with stream: true", "invalid_parameter", "stream_options")
@@ -124,13 +127,34 @@ def _check_template_fields(body: dict) -> None:
                       f"{'them' if len(reserved) > 1 else 'it'} out", "invalid_value", "chat_template_kwargs")
 
 
+def _tools_shown(body: dict) -> bool:
+    """Tools with tool_choice "none": the model may not call one, so the answer is text, and the
+    tools go to the chat template, as vLLM does (agent frameworks send their tools with every
+    request). Refused where a tool is not OpenAI's {"type": "function", "function": {"name": ...}}."""
+    tools = body.get("tools")
+    if not tools or body.get("tool_choice") != "none":
+        return False
+    if not isinstance(tools, list):
+        raise Refused(f"tools must be a list of tools, got {shown(tools)}", "invalid_value", "tools")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict)
+                or not isinstance(function.get("name"), str) or not function["name"]):
+            raise Refused(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": '
+                          f'{{...}}}}}}, got {shown(tool)}', "invalid_value", "tools")
+    return True
+
+
 def chat_template_options(body: dict) -> dict:
     """A checked body's chat-template options, as Tokenizer.encode_prompt takes them (vLLM's
     defaults: the assistant's turn opened, nothing more added to what the template writes)."""
+    template_kwargs = dict(body.get("chat_template_kwargs") or {})
+    if _tools_shown(body):
+        template_kwargs["tools"] = body["tools"]
     return {"add_generation_prompt": body.get("add_generation_prompt", True) is not False,
             "continue_final_message": bool(body.get("continue_final_message")),
             "add_special_tokens": bool(body.get("add_special_tokens")),
-            "template_kwargs": body.get("chat_template_kwargs") or {}}
+            "template_kwargs": template_kwargs}
 
 
 #: The body fields that ask for structured output, and the words their errors begin with.

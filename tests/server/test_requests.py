@@ -109,3 +109,31 @@ def test_an_unsupported_field_is_shown_as_json():
     with pytest.raises(ApiError) as e:
         plan_completion({"prompt": "hi", "echo": True}, None, 8192)
     assert e.value.message == "echo: true: batchprompt does not support it; leave it out"
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_tools_with_tool_choice_none_reach_the_chat_template_as_in_vllm():
+    """Tools with tool_choice "none" (agent frameworks send their tools with every request) were
+    refused: the model may call none, so the answer is text, and vLLM hands the tools to the chat
+    template. Without tool_choice "none" they are still refused (no tool call is ever parsed)."""
+    tokenizer = load_tokenizer("smollm2-135m")[0]
+    tokenizer.hf.chat_template = ("{% if tools %}TOOLS {{ tools | map(attribute='function.name') | join(',') }}\n"
+                                  "{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                                  "{% if add_generation_prompt %}assistant:{% endif %}")
+    plan = plan_chat({"messages": M, "tools": TOOLS, "tool_choice": "none"}, tokenizer, 8192)
+    assert tokenizer.decode(plan.prepared[0].token_ids) == "TOOLS get_weather\nuser: hi\nassistant:"
+    assert tokenizer.decode(plan_chat({"messages": M}, tokenizer, 8192).prepared[0].token_ids) == "user: hi\nassistant:"
+    for body in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}):
+        with pytest.raises(ApiError) as e:
+            plan_chat({"messages": M, **body}, tokenizer, 8192)
+        assert (e.value.param, e.value.code) == ("tools", "unsupported_parameter")
+        assert 'tool_choice: "none"' in e.value.message
+    with pytest.raises(ApiError) as e:
+        plan_chat({"messages": M, "tools": [{"type": "function"}], "tool_choice": "none"}, tokenizer, 8192)
+    assert (e.value.status, e.value.param) == (400, "tools") and e.value.message.startswith("tools[0] must be")
+    with pytest.raises(ApiError) as e:
+        plan_chat({"messages": M, "tools": "get_weather", "tool_choice": "none"}, tokenizer, 8192)
+    assert e.value.param == "tools" and "must be a list" in e.value.message
