@@ -48,6 +48,10 @@ def _message(m: Any, where: str) -> Message:
         raise ValueError(f"{where}: unknown role {role!r}; the roles are {', '.join(ROLES)}")
     if m.get("content") is None and m.get("tool_calls"):
         raise ValueError(f"{where}: tool calls are not supported; give the {role} turn's text as 'content'")
+    if role == "assistant" and m.get("content") is None:  # OpenAI's schema lets an assistant turn have none:
+        # a refusal's turn, replayed, reads as its refusal (as a refusal part does); else empty, as vLLM
+        refusal = m.get("refusal")
+        return {"role": role, "content": refusal if isinstance(refusal, str) else ""}
     if "content" not in m:
         raise ValueError(f"{where}: the {role} message has no 'content'")
     return {"role": "system" if role == "developer" else role, "content": message_text(m["content"], where)}

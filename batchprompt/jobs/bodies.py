@@ -10,6 +10,8 @@ messages (400)."""
 from __future__ import annotations
 
 import json
+import types
+import typing
 from typing import Any, Type
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -76,6 +78,24 @@ class CompletionRequest(_OpenAIBody):
 
 #: The body each endpoint takes (a Batch API row's too).
 ENDPOINT_BODIES: dict[str, Type[BaseModel]] = {CHAT: ChatRequest, COMPLETION: CompletionRequest}
+
+
+def whole_numbers(schema: Type[BaseModel], body: dict[str, Any]) -> dict[str, Any]:
+    """`body` with a whole-number float in an integer field as that integer (`"max_tokens": 5.0`,
+    which JavaScript and a Python float send, and vLLM's models take); 5.5 is left to be refused."""
+    fields = _integer_fields(schema)
+    whole = {k: int(v) for k, v in body.items()
+             if k in fields and isinstance(v, float) and v.is_integer() and abs(v) < 2 ** 63}
+    return {**body, **whole} if whole else body
+
+
+def _integer_fields(schema: Type[BaseModel]) -> frozenset[str]:
+    """The fields of `schema` that take an integer and no float (max_tokens, n, seed, ...)."""
+    def takes_int(annotation) -> bool:
+        args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+        return (int in args and float not in args) if args else annotation is int
+
+    return frozenset(name for name, f in schema.model_fields.items() if takes_int(f.annotation))
 
 
 def type_problem(url: str, body: dict[str, Any], missing: bool = True) -> tuple[str, str | None] | None:

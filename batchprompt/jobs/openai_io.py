@@ -59,7 +59,8 @@ class TokenPieces:
 
     @classmethod
     def of(cls, tokenizer) -> "TokenPieces":
-        return cls(lambda t: tokenizer.decode([t]), getattr(tokenizer, "token_bytes", None))
+        text = getattr(tokenizer, "token_text", None) or (lambda t: tokenizer.decode([t]))
+        return cls(text, getattr(tokenizer, "token_bytes", None))
 
 
 def response_body(row: Row, choices: Sequence[Result], model: str, created: int,

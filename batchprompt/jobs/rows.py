@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..api.messages import check_messages
-from .bodies import CHAT, COMPLETION, type_problem
+from .bodies import CHAT, COMPLETION, ENDPOINT_BODIES, type_problem, whole_numbers
 
 COMPLETION_OR_CHAT = "plain"  # plain JSONL: a "prompt" string is a user turn (chat template applies)
 #: Body fields we act on.
@@ -416,6 +416,7 @@ def _openai_row(n: int, obj: dict) -> Row | RowError:
     body = obj.get("body")
     if not isinstance(body, dict):
         return RowError(n, cid, "missing_body", f"line {n}: the line has no body object", "body")
+    body = whole_numbers(ENDPOINT_BODIES[url], body)  # "max_tokens": 5.0 is 5, as the endpoint reads it
     wrong = type_problem(url, body, missing=False)  # the endpoint's 422, as a Batch API row has it
     if wrong is not None:
         return RowError(n, cid, "invalid_type", f"line {n}: {wrong[0]}", wrong[1])

@@ -129,11 +129,17 @@ class Tokenizer:
         with self._lock:
             return self.hf.decode(list(ids), skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token as log-probs name it: its text, and a special token's own (`<|im_end|>`, as
+        vLLM names it), which decode() drops: two special tokens both read "" and one hid the other."""
+        with self._lock:
+            return self.hf.decode([token_id], skip_special_tokens=False)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, as OpenAI's log-prob `bytes` give them: a token that
         holds part of a character (an emoji's first bytes) has its own bytes, where its text is
         U+FFFD. Byte-level BPE (GPT-2, Llama 3, SmolLM) maps each byte to a character of its
-        pieces; SentencePiece writes a lone byte as <0xNN>; a special token is its (empty) text."""
+        pieces; SentencePiece writes a lone byte as <0xNN>; a special token is its own text."""
         if self._byte_decoder is None:
             decoder = getattr(getattr(self.hf, "backend_tokenizer", None), "decoder", None)
             self._byte_decoder = _byte_level_table() if "ByteLevel" in repr(decoder) else {}
@@ -148,7 +154,7 @@ class Tokenizer:
                     return bytes([int(piece[3:5], 16)])
                 except ValueError:
                     pass
-        return self.decode([token_id]).encode("utf-8", "surrogatepass")
+        return self.token_text(token_id).encode("utf-8", "surrogatepass")
 
     def render(self, prompt: str | Sequence[Message], system: str | None = None, *,
                add_generation_prompt: bool = True, continue_final_message: bool = False,

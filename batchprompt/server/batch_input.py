@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ..jobs import rows as job_rows
-from ..jobs.bodies import type_problem
+from ..jobs.bodies import ENDPOINT_BODIES, type_problem, whole_numbers
 from ..jobs.ids import check_ids
 from ..jobs.rows import CHAT, COMPLETION, Row, RowError
 
@@ -67,11 +67,12 @@ def check_input(raw: bytes, endpoint: str, model_id: str, model_names: Iterable[
                                            f"to requests", "custom_id")
             continue
         first_line[cid] = n
-        wrong = type_problem(endpoint, obj["body"])  # the endpoint's 422 for the same body
+        body = whole_numbers(ENDPOINT_BODIES[endpoint], obj["body"])  # as the endpoint reads it
+        wrong = type_problem(endpoint, body)  # the endpoint's 422 for the same body
         if wrong is not None:
             out.rows.append(RowError(n, cid, "invalid_type", f"line {n}: {wrong[0]}", wrong[1]))
         else:
-            out.rows.append(job_rows.row_from_body(n, cid, endpoint, obj["body"]))
+            out.rows.append(job_rows.row_from_body(n, cid, endpoint, body))
     if bad > len(out.errors):
         out.errors.append({"code": "too_many_errors", "line": None, "param": None,
                            "message": f"and {bad - len(out.errors)} more lines with errors"})
@@ -121,7 +122,7 @@ def _request_problem(n: int, obj: dict, endpoint: str, model_id: str, models: se
         return ("invalid_request", f"line {n}: a batch request cannot stream (stream: true): its result goes to "
                                    f"the batch's output file; remove stream and stream_options", "body.stream")
     model = body.get("model")
-    if model is not None and model not in models:
+    if model not in (None, "") and model not in models:  # "" is left out, as the endpoints take it
         return ("model_not_found", f"line {n}: the model {model!r} does not exist here; this server runs "
                                    f"{model_id!r} (GET /v1/models)", "body.model")
     return None

@@ -13,9 +13,10 @@ from ..jobs.rows import Row, RowError
 from .errors import ApiError
 from .requests import plan_row
 
-#: What a request that never ran says, by how its batch ended (OpenAI's codes).
-UNFINISHED = {"cancelled": ("batch_cancelled", "the batch was cancelled before this request ran"),
-              "expired": ("batch_expired", "this request could not run before the batch's completion window "
+#: What a request that did not finish says, by how its batch ended (OpenAI's codes). Some had
+#: started ("before this request ran" was said of those too).
+UNFINISHED = {"cancelled": ("batch_cancelled", "the batch was cancelled before this request finished"),
+              "expired": ("batch_expired", "this request could not finish before the batch's completion window "
                                            "ended")}
 
 

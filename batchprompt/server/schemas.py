@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import ClientDisconnect
 
-from ..jobs.bodies import StrictBody
+from ..jobs.bodies import StrictBody, whole_numbers
 from ..jobs.rows import json_loads, json_type
 from .errors import ApiError
 
@@ -49,6 +49,7 @@ async def read_json(request: Request, schema: Type[BaseModel]) -> dict[str, Any]
         if unknown:
             raise ApiError(400, f"Unknown parameter: {unknown[0]!r}. This endpoint takes "
                                 f"{', '.join(schema.model_fields)}", "unknown_parameter", unknown[0])
+    obj = whole_numbers(schema, obj)  # "max_tokens": 5.0 is 5, as vLLM takes it
     try:
         schema.model_validate(obj)
     except ValidationError as e:

@@ -99,8 +99,8 @@ class ServerState:
         return service
 
     def check_model(self, name) -> None:
-        """A request's "model": ours (or left out, as vLLM allows), else 404."""
-        if name is not None and name not in self.model_names:
+        """A request's "model": ours (or left out, or "", as vLLM allows), else 404."""
+        if name not in (None, "") and name not in self.model_names:
             raise ApiError(404, f"the model {name!r} does not exist here: this server runs {self.model_id!r} "
                                 f"(GET /v1/models)", "model_not_found", "model")
 

@@ -33,6 +33,14 @@ def test_bad_messages_are_refused_with_a_message_naming_the_fix(messages, match)
         check_messages(messages, "a prompt")
 
 
+def test_an_assistant_turn_without_content_is_empty_or_its_refusal():
+    # OpenAI's schema lets an assistant message have no content (a refusal's turn, replayed) and
+    # vLLM takes it; it was refused. A user's turn still needs its content.
+    msgs = check_messages([{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "refusal": "no"},
+                           {"role": "user", "content": "y"}, {"role": "assistant"}])
+    assert [m["content"] for m in msgs] == ["x", "no", "y", ""]
+
+
 def test_an_empty_list_is_allowed_where_asked():
     assert check_messages([], "initial_prompts", allow_empty=True) == []
 

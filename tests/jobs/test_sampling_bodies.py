@@ -207,3 +207,39 @@ def test_best_of_at_temperature_0_names_best_of_as_its_param():
     with pytest.raises(ValueError) as e:
         row_params(row(COMPLETION, **body), OPTS)
     assert param_named(str(e.value), body) == "best_of"
+
+
+def test_special_tokens_in_logprobs_are_named_by_their_own_text_as_vllm_names_them():
+    """<|im_end|> and <|im_start|> both read "" (decode drops special tokens): in a completion's
+    top_logprobs the second hid the first, so `logprobs: 5` gave 4 entries and the chosen
+    token's value was lost; a chat token had `"token": ""` and empty bytes. vLLM names them
+    by their own text."""
+    from batchprompt.remote.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("smollm2-135m")[0]
+    end, start = tok.hf.convert_tokens_to_ids(["<|im_end|>", "<|im_start|>"])
+    r = TopResult(0, "", "stop", Usage(3, 1), logprobs=[-0.25], token_ids=[end],
+                  top_logprobs=[[(end, -0.25), (start, -1.75), (198, -3.75)]])
+    pieces = openai_io.TokenPieces.of(tok)
+    lp = openai_io.response_body(row(COMPLETION, logprobs=3), [r], "m", 0, pieces)["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["<|im_end|>"]
+    assert lp["top_logprobs"] == [{"<|im_end|>": -0.25, "<|im_start|>": -1.75, "\n": -3.75}]
+    content = openai_io.response_body(row(CHAT, logprobs=True, top_logprobs=3), [r], "m", 0,
+                                      pieces)["choices"][0]["logprobs"]["content"]
+    assert (content[0]["token"], bytes(content[0]["bytes"])) == ("<|im_end|>", b"<|im_end|>")
+    assert [t["token"] for t in content[0]["top_logprobs"]] == ["<|im_end|>", "<|im_start|>", "\n"]
+
+
+def test_a_whole_number_float_is_its_integer_as_the_endpoint_reads_it():
+    """"max_tokens": 5.0 failed a `run` line and a Batch API row (422), where vLLM takes it."""
+    from batchprompt.server.batch_input import check_input
+
+    r = row(CHAT, max_tokens=5.0, n=1.0, temperature=1.0)
+    assert (r.body["max_tokens"], type(r.body["max_tokens"]), r.body["temperature"]) == (5, int, 1.0)
+    assert row_params(r, OPTS)[0].max_tokens == 5
+    bad = read_jsonl(json.dumps({"custom_id": "a", "url": CHAT, "body": {"messages": [], "max_tokens": 5.5}}).encode())
+    assert bad[0].code == "invalid_type" and "max_tokens" in bad[0].message
+    line = {"custom_id": "a", "method": "POST", "url": CHAT,
+            "body": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5.0}}
+    got = check_input(json.dumps(line).encode(), CHAT, "m", {"m"})
+    assert got.rows[0].body["max_tokens"] == 5

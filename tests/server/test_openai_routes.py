@@ -319,6 +319,24 @@ def test_chat_errors_in_openai_shape(server, body, status, code):
         assert error["code"] == code, error
 
 
+def test_what_vllm_takes_is_taken(server):
+    """As vLLM's (lax) models: a whole-number float for an integer field ("max_tokens": 5.0, as
+    JavaScript or a Python float sends it), "model": "" (left out), and an assistant turn with
+    content null (a refusal's, replayed). Each was a 422, a 404 or a 400."""
+    hi = [{"role": "user", "content": "hi"}]
+    with server.client() as c:
+        for extra in ({"max_tokens": 2.0, "n": 1.0, "seed": 7.0}, {"max_tokens": 2, "model": ""},
+                      {"max_tokens": 2, "messages": [{"role": "assistant", "content": None, "refusal": "no"}] + hi}):
+            r = c.post("/v1/chat/completions", json={"messages": hi, **extra})
+            assert r.status_code == 200, (extra, r.text)
+            assert r.json()["usage"]["completion_tokens"] <= 2
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3.0, "logprobs": 2.0})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) >= 2
+        r = c.post("/v1/chat/completions", json={"messages": hi, "max_tokens": 2.5})
+        assert r.status_code == 422 and error_of(r)["param"] == "max_tokens", r.text
+
+
 def test_unknown_fields_are_ignored_and_named_once_in_the_log(server):
     """As vLLM: a field no API knows is ignored and named in the log (it was ignored silently,
     while the Batch API's own endpoints refuse theirs, as OpenAI does)."""
