@@ -278,6 +278,8 @@ class Batch:
                 raise self._cancel_error(result.error)
             if self._service.stopped:
                 raise EngineStoppedError(result.error)
+        if result.retryable and self._service.stopped:  # the engine's thread failed under it: not the
+            raise EngineStoppedError(result.error)  # prompt's fault (a ValueError said it was)
         raise ValueError(result.error)
 
     def request_cancel(self) -> Future | None:

@@ -43,6 +43,11 @@ class CallbackThread:
                 return
         _run(fn, args)
 
+    def after_fork(self) -> None:
+        """In a forked child, whose copy of this thread is not running: callbacks run inline."""
+        self._lock = threading.Lock()
+        self._closed = True
+
     def drop_cut(self) -> None:
         """From now on, callbacks on cut results are not run (at interpreter exit: the prompts the
         exit cancelled; those of results that came, before or during the exit, still run)."""

@@ -46,6 +46,9 @@ SHUT_DOWN = "the engine was shut down (bp.shutdown() or LanguageModel.close())"
 # At interpreter exit: the same stop, which the user did not call (a thread still building a
 # session blamed bp.shutdown()).
 SHUT_DOWN_AT_EXIT = "the engine was shut down as the Python interpreter exited (the script ended)"
+# In a child forked from a process whose engine ran (multiprocessing's default start on Linux).
+FORKED = ("the engine runs in the process this one was forked from, and a forked child cannot use it (a new "
+          "session in the child builds an engine of its own; or start children with multiprocessing's 'spawn')")
 MADE_EVERY_S = 1.0  # how often the sources' tokens made so far are counted (Source.made)
 
 
@@ -87,6 +90,14 @@ class EngineService(StopCounts):
         self._thread.start()
         if build is not None:
             self._wait_built()
+
+    def _after_fork(self) -> None:
+        """In a forked child: this is a copy of the parent's service, with none of its threads (a
+        call on it waited for ever). Stopped, it answers every call at once with FORKED; its locks
+        are new, since a parent's thread may have held one at the fork."""
+        self._cond = threading.Condition()
+        self._stopping, self.stop_reason = True, FORKED
+        self._callbacks.after_fork()
 
     def _wait_built(self) -> None:
         """Wait for the engine thread to build the engine; its exception is raised here. If the
@@ -631,6 +642,21 @@ def build_engine(path: str, device: str, dtype: str, engine_options: dict | None
             f"{engine.max_model_len} tokens): raise kv_cache_memory (--kv-cache-memory), or lower max_model_len "
             f"(--max-model-len) to at most {tokens}")
     return engine
+
+
+def _after_fork_in_child() -> None:
+    """A forked child gets copies of the parent's services but not their threads: each is
+    stopped, and the registry emptied, so a new session in the child builds its own engine."""
+    global _services_lock
+    _services_lock = threading.Lock()
+    _services.clear()
+    for service in list(_alive):
+        if isinstance(service, EngineService):
+            service._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _unregister(service: EngineService) -> None:

@@ -97,6 +97,29 @@ def test_when_the_engine_thread_dies_every_waiter_gets_the_error_and_the_next_ca
     lm.destroy()
 
 
+@pytest.mark.parametrize("call", ["prompt", "prompt_streaming"])
+def test_a_prompt_waiting_when_the_engine_thread_dies_raises_engine_stopped(engine32, monkeypatch, messages, call):
+    """It raised a plain ValueError (what a bad prompt raises), though the prompt was not at fault
+    and a batch's results said retryable; a stopped engine's calls raise EngineStoppedError."""
+    lm = bp.LanguageModel.create(system=SPAM_SYSTEM, model=engine32, max_tokens=6)
+    real = engine32.has_unfinished
+
+    def has_unfinished():  # fails once the prompt is in the engine
+        if real():
+            raise RuntimeError("the engine's state is lost")
+        return False
+
+    monkeypatch.setattr(engine32, "has_unfinished", has_unfinished)
+    with pytest.raises(bp.EngineStoppedError, match="state is lost"):
+        if call == "prompt":
+            lm.prompt(messages[0])
+        else:
+            "".join(lm.prompt_streaming(messages[0]))
+    lm._service._thread.join(30)
+    monkeypatch.setattr(engine32, "has_unfinished", real)
+    lm.destroy()
+
+
 def test_a_callback_that_raises_system_exit_does_not_stop_the_others(lm, messages):
     first = lm.create_batch(messages[:2]).on_complete(lambda results: sys.exit("a callback exits"))
     first.wait(timeout=60)
