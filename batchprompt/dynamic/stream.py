@@ -4,6 +4,8 @@ taken from the iterable and not yet yielded, so an iterable of millions streams 
 
 Items are queued in chunks (one group each); the oldest chunk's results are yielded as soon as
 it is done. An item's error is raised when its turn comes, and ends the iteration (as `map`).
+So does an error of the iterable itself, after the results of every item taken before it (as
+`map`: they were lost, those in flight withdrawn unrun).
 """
 from __future__ import annotations
 
@@ -34,16 +36,20 @@ def imap(processor, items: Iterable, max_in_flight: int, priority: int) -> Itera
     pending: deque = deque()  # groups, oldest first
     in_flight = 0  # items taken from `source` and not yet yielded
     exhausted = False
+    failed: Exception | None = None  # the iterable's own error, raised after what it gave before
     try:
         while True:
             while not exhausted and in_flight < max_in_flight:
-                part = list(islice(source, min(chunk, max_in_flight - in_flight)))
-                if not part:
+                part, failed = _take(source, min(chunk, max_in_flight - in_flight))
+                if part:
+                    pending.append(processor.submit(part, priority, solo=True))  # waited on oldest first
+                    in_flight += len(part)
+                if not part or failed is not None:
                     exhausted = True
                     break
-                pending.append(processor.submit(part, priority, solo=True))  # waited on oldest first
-                in_flight += len(part)
             if not pending:
+                if failed is not None:
+                    raise failed
                 return
             group = pending[0]
             group.wait()
@@ -57,6 +63,16 @@ def imap(processor, items: Iterable, max_in_flight: int, priority: int) -> Itera
             processor.withdraw(pending)
 
 
+def _take(source: Iterator, n: int) -> tuple[list, Exception | None]:
+    """Up to `n` next items of `source`, and the error it raised after them, if it did."""
+    part: list = []
+    try:
+        part.extend(islice(source, n))
+    except Exception as e:  # noqa: BLE001  (handed back: raised once the items before it are yielded)
+        return part, e
+    return part, None
+
+
 async def aimap(processor, items: Iterable | AsyncIterable, max_in_flight: int, priority: int) -> AsyncIterator:
     max_in_flight, chunk = in_flight_limit(processor, max_in_flight)
     loop = asyncio.get_running_loop()
@@ -64,16 +80,20 @@ async def aimap(processor, items: Iterable | AsyncIterable, max_in_flight: int, 
     pending: deque = deque()  # (group, start, stop), oldest first
     in_flight = 0
     exhausted = False
+    failed: Exception | None = None  # the iterable's own error, raised after what it gave before
     try:
         while True:
             while not exhausted and in_flight < max_in_flight:
-                part = await take(min(chunk, max_in_flight - in_flight))
-                if not part:
+                part, failed = await take(min(chunk, max_in_flight - in_flight))
+                if part:
+                    pending.append(await _submit(processor, part, loop, priority))
+                    in_flight += len(part)
+                if not part or failed is not None:
                     exhausted = True
                     break
-                pending.append(await _submit(processor, part, loop, priority))
-                in_flight += len(part)
             if not pending:
+                if failed is not None:
+                    raise failed
                 return
             group, start, stop = pending[0]
             waiter = Waiter(group, start, stop)
@@ -104,21 +124,24 @@ async def _submit(processor, part: list, loop: asyncio.AbstractEventLoop, priori
 
 
 def _async_taker(items: Iterable | AsyncIterable):
-    """`take(n)`: up to n next items, from a plain or an async iterable."""
+    """`take(n)`: up to n next items, from a plain or an async iterable, and the error it raised
+    after them, if it did (as `_take`)."""
     if hasattr(items, "__aiter__"):
         source = items.__aiter__()
 
-        async def take(n: int) -> list[Any]:
-            part = []
+        async def take(n: int) -> tuple[list[Any], Exception | None]:
+            part: list[Any] = []
             for _ in range(n):
                 try:
                     part.append(await source.__anext__())
                 except StopAsyncIteration:
                     break
-            return part
+                except Exception as e:  # noqa: BLE001  (raised once the items before it are yielded)
+                    return part, e
+            return part, None
     else:
         plain = iter(items)
 
-        async def take(n: int) -> list[Any]:
-            return list(islice(plain, n))
+        async def take(n: int) -> tuple[list[Any], Exception | None]:
+            return _take(plain, n)
     return take

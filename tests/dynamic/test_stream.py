@@ -99,6 +99,46 @@ def test_imap_raises_an_items_error_at_its_turn():
     assert isinstance(outcome(consume), ZeroDivisionError) and got == [1, 0.5]
 
 
+def _failing_source(n: int):
+    yield from range(n)
+    raise RuntimeError("the source failed")
+
+
+async def _failing_async_source(n: int):
+    for i in range(n):
+        yield i
+    raise RuntimeError("the source failed")
+
+
+@pytest.mark.parametrize("max_in_flight", [1024, 4])
+def test_an_iterables_own_error_comes_after_the_results_of_what_it_gave(max_in_flight):
+    """As `map`: the results of the items taken before the iterable raised, then its error. They
+    were lost (none of 10 yielded; with max_in_flight=4, 7 of 10)."""
+    f = bp.dynamically(batch_size=64, timeout_ms=5)(lambda items: [x * 2 for x in items])
+    got = []
+
+    def consume():
+        for r in f.imap(_failing_source(10), max_in_flight=max_in_flight):
+            got.append(r)
+
+    error = outcome(consume)
+    assert isinstance(error, RuntimeError) and str(error) == "the source failed"
+    assert got == [x * 2 for x in range(10)]
+
+    async def consume_async(items):
+        out = []
+        try:
+            async for r in f.aimap(items, max_in_flight=max_in_flight):
+                out.append(r)
+        except RuntimeError as e:
+            return out, e
+        return out, None
+
+    for items in (_failing_source(10), _failing_async_source(10)):
+        out, error = asyncio.run(asyncio.wait_for(consume_async(items), LIMIT_S))
+        assert out == [x * 2 for x in range(10)] and str(error) == "the source failed"
+
+
 def test_aimap_streams_plain_and_async_iterables_in_order_with_bounded_memory():
     f = bp.dynamically(batch_size=16, timeout_ms=1)(lambda items: [x * 3 for x in items])
     taken = 0
