@@ -63,6 +63,19 @@ def engine32():
     return LLMEngine.from_pretrained(dtype="float32", max_num_batched_tokens=1024)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _hand_built_engines_released():
+    """After each module, the engine threads of sessions on engines built by hand (engine32) end:
+    such a thread keeps stepping its engine after its sessions are destroyed, and meanwhile
+    refuses another thread's add_request() and step(), which the next module may call."""
+    yield
+    from batchprompt.api import service
+
+    for key, running in list(service._services.items()):
+        if key[0] == "engine":
+            running.shutdown(timeout=30)
+
+
 @pytest.fixture(scope="session")
 def compiled_kernels():
     """The compiled CPU kernels module. Skipped only where no C++ compiler exists; with one,

@@ -287,6 +287,8 @@ class EngineService(StopCounts):
                 self._built.set_exception(e)
                 return
             self._built.set_result(None)
+        # Another thread's engine.generate() runs here, between steps; its add_request() or step() is refused.
+        self._engine.driver = (threading.current_thread(), lambda fn: self.call(fn).result())
         failure = None  # why the loop died, as text: the exception's traceback holds the engine
         try:
             while True:
@@ -490,6 +492,8 @@ class EngineService(StopCounts):
                 engine.unpin(name)
             except Exception:  # noqa: BLE001
                 log.exception("could not release a session's prefix")
+        if engine is not None and engine.driver is not None and engine.driver[0] is threading.current_thread():
+            engine.driver = None  # the caller may drive it now
         self._engine = engine = None
         _free_memory()
         self._callbacks.close()  # after the callbacks of the answers above

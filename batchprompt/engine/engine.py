@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -85,6 +86,11 @@ class LLMEngine:
         self._outer_t0 = 0.0  # when it began
         self.inside_pending = False  # whether it left out requests that its first pause should run
         self._left_out_unrun = False  # the last step left requests out and did not run them
+        # Set by a session's service that runs this engine on its own thread (api/service.py):
+        # that thread, and how to run a function there between its steps. While it runs, another
+        # thread's generate() goes through it, and its add_request() or step() are refused: they
+        # raced the service's (each took the other's requests).
+        self.driver: tuple[threading.Thread, Callable[[Callable[[], Any]], Any]] | None = None
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, *, dtype: str | torch.dtype = "auto",
@@ -118,6 +124,7 @@ class LLMEngine:
         cannot run fails alone: its error comes back from the next `step()`. A higher
         `priority` is admitted first and preempted last, without starving lower ones (see
         scheduler.py; ignored when `priority_scheduling` is off)."""
+        self._check_not_driven("add_request")
         params = params or SamplingParams()
         priority = int(priority) if self.config.priority_scheduling else 0
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -190,6 +197,21 @@ class LLMEngine:
                 return f"a choice has token ids outside the vocabulary [0, {vocab})"
         return None
 
+    def _driven_from_elsewhere(self) -> Callable[[Callable[[], Any]], Any] | None:
+        """How to run a function on the thread of the service that steps this engine, when that
+        is not this thread (else None)."""
+        driver = self.driver
+        if driver is None or driver[0] is threading.current_thread() or not driver[0].is_alive():
+            return None
+        return driver[1]
+
+    def _check_not_driven(self, what: str) -> None:
+        if self._driven_from_elsewhere() is not None:
+            raise RuntimeError(
+                f"{what}() from another thread while a LanguageModel session's engine thread steps this engine: the "
+                f"two would take each other's requests. Use generate() (it runs between the sessions' steps), "
+                f"or release the engine first (close() its last session, or bp.shutdown(engine))")
+
     def abort(self, request_id: str) -> bool:
         """Stop a request; it comes back from the next `step()` with finish_reason 'abort'."""
         req = self._requests.get(request_id)
@@ -249,6 +271,7 @@ class LLMEngine:
         the step leaves the top class out (Scheduler.deferrable) and `inside_pending` tells the
         pause to run it (the step pauses once before its first layer for it): alone, so as fast as on an idle engine, while the batch's steps stay
         full."""
+        self._check_not_driven("step")
         self._inside_s = 0.0
         done = self._samples.collect(self._step(pause), self._requests, self._drop_sample)
         if self._held:
@@ -316,8 +339,12 @@ class LLMEngine:
                 # prefixes and the admission watermark leave too little room. Fail it, never spin.
                 req = self.scheduler.waiting[0]
                 free = self.pool.num_free * self.config.block_size
+                pins = self.kv.pins
+                pinned = len({id(b) for blocks in pins.values() for b in blocks}) * self.config.block_size
+                held = (f"; {pinned} tokens are held by the system prompts of {len(pins)} open session"
+                        f"{'' if len(pins) == 1 else 's'}: destroy() those no longer used" if pinned else "")
                 return done + self._fail(req, f"the request needs KV cache for {req.num_tokens} tokens, more than "
-                                              f"is free with nothing else running ({free} tokens): raise "
+                                              f"is free with nothing else running ({free} tokens{held}): raise "
                                               f"kv_cache_memory or lower max_tokens")
             attach_sampling_state(sched.chunks, self._requests, self.eos_token_ids)
             try:
@@ -558,6 +585,9 @@ class LLMEngine:
         """Run prompts to completion; outputs in input order. One string, or one list of token
         ids, is one prompt (as in vLLM). `params`: one for all, or one per prompt. Requests added
         with add_request() run along; their outputs come from the next step()."""
+        run_there = self._driven_from_elsewhere()
+        if run_there is not None:  # a session's service steps this engine: run there, between its steps
+            return run_there(lambda: self.generate(prompts, params, progress))
         if isinstance(prompts, (bytes, bytearray)):
             raise TypeError("generate() takes text as str (decode the bytes) or token ids as a list of ints")
         one = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and bool(prompts)

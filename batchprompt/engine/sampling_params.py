@@ -74,6 +74,8 @@ class SamplingParams:
                    f"give logprobs={self.logprobs} (vLLM's top-N) or top_logprobs={self.top_logprobs}, not both")
             object.__setattr__(self, "top_logprobs", int(self.logprobs))
             object.__setattr__(self, "logprobs", True)
+        if self.stop == "":  # shown as given (it said "got ['']")
+            raise ValueError("stop is an empty string: leave stop out, or give strings of one character or more")
         if self.stop is None or isinstance(self.stop, str):  # None: OpenAI's null
             object.__setattr__(self, "stop", () if self.stop is None else (self.stop,))
         _check(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop),

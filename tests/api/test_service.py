@@ -115,3 +115,38 @@ def test_one_engine_per_model_whatever_the_spelling_of_its_device_and_dtype():
         for s in sessions:
             s.close()
     assert not any("auto" in k for k in svc._services)
+
+
+def test_an_engine_a_session_steps_runs_another_threads_generate_and_refuses_its_racing_steps(engine32, messages):
+    """An engine built by hand, given to a session and also called directly: another thread's
+    generate() stepped it beside the session's engine thread, and one took the other's
+    requests (KeyError 'req-6': the session's 16 prompts failed, or generate hung). generate()
+    now runs between the session's steps; add_request() and step(), which would race them, are
+    refused while the session's engine thread runs, and work again once it is closed."""
+    from batchprompt import SamplingParams
+
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    alone = engine32.generate(["Tell me about 1"], greedy)[0].output_token_ids
+    lm = bp.LanguageModel.create(model=engine32, max_tokens=24)
+    batch = lm.create_batch(messages[:16]).start()
+    got: list = []
+    caller = threading.Thread(target=lambda: got.append(engine32.generate(["Tell me about 1"], greedy)))
+    caller.start()
+    caller.join(120)
+    assert not caller.is_alive(), "generate() beside a session hung"
+    assert got[0][0].output_token_ids == alone  # float32 greedy: batching changes no token
+    assert all(r.ok for r in batch.wait(timeout=120))
+    with pytest.raises(RuntimeError, match=r"add_request\(\) from another thread while a LanguageModel session"):
+        engine32.add_request("hi", greedy)
+    with pytest.raises(RuntimeError, match=r"step\(\) from another thread"):
+        engine32.step()
+    lm.destroy()
+    with pytest.raises(RuntimeError, match=r"close\(\) its last session, or bp.shutdown\(engine\)"):
+        engine32.add_request("hi", greedy)  # its thread is still there, idle: it would step this request
+    assert engine32.generate(["Tell me about 1"], greedy)[0].output_token_ids == alone
+    lm.close()  # the engine's thread ends: the caller drives it
+    rid = engine32.add_request("Tell me about 1", greedy)
+    done = []
+    while engine32.has_unfinished():
+        done += engine32.step()
+    assert [o.request_id for o in done] == [rid] and done[0].output_token_ids == alone

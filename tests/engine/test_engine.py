@@ -251,6 +251,22 @@ def test_a_request_that_outgrows_the_kv_budget_fails_saying_what_to_do(tiny_mode
     assert len(outs[0].output_token_ids) == 8 * 4 + 1 - 12  # it ran until its newest token found no room
     assert outs[1].ok and len(outs[1].output_token_ids) == 4
     assert eng.pool.num_used == 0
+    assert "held by the system prompts" not in outs[0].error
+
+
+def test_a_request_that_cannot_run_for_pinned_prefixes_names_the_sessions_that_hold_them(tiny_model):
+    """It said only "raise kv_cache_memory or lower max_tokens", where open sessions' system
+    prompts held the memory (destroying them frees it)."""
+    per_block = KVTensors.bytes_per_block(tiny_model.args, EngineConfig().block_size, torch.float32)
+    eng = engine(tiny_model, kv_cache_memory=40 * per_block, watermark=0.0, max_num_seqs=1)  # 160 tokens
+    g = torch.Generator().manual_seed(7)
+    a, b, c = (torch.randint(3, 97, (n,), generator=g).tolist() for n in (48, 48, 70))
+    for name, prefix in (("a", a), ("b", b)):  # as a session's system prompt: computed, then pinned
+        eng.generate([prefix], SamplingParams(max_tokens=1))
+        assert eng.pin_prefix(name, prefix) == 48
+    out = eng.generate([c], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert out.finish_reason == "error", out
+    assert "tokens are held by the system prompts of 2 open sessions: destroy() those no longer used" in out.error
 
 
 def test_a_step_that_fails_on_one_request_fails_that_request_alone(tiny_model, monkeypatch, caplog):

@@ -79,8 +79,10 @@ def test_stop_as_a_completion_rows_list_or_string():
     assert row_params(row(COMPLETION, stop="\n"), OPTS)[0].stop == ("\n",)
     assert row_params(row(COMPLETION, stop=["a", "b"]), OPTS)[0].stop == ("a", "b")
     assert row_params(row(COMPLETION, stop=None), OPTS)[0].stop == ()
-    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+    with pytest.raises(ValueError, match=r"^stop is an empty string: leave stop out"):  # it showed ['']
         row_params(row(COMPLETION, stop=""), OPTS)
+    with pytest.raises(ValueError, match=r"stop strings must be non-empty strings, got \['a', ''\]"):
+        row_params(row(COMPLETION, stop=["a", ""]), OPTS)
 
 
 @pytest.mark.parametrize("value", [21, -1, 2.5, "3"])
