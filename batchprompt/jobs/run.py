@@ -420,6 +420,7 @@ class JobRun:
         # Rows that failed for want of a backend (every endpoint down, the engine stopped): their
         # error records, by line. Not journaled, so that running the job again runs them.
         self._not_run: dict[int, str] = {}
+        self._backend = None  # loaded ahead of the journal (with --restart), else in _run
 
     def say(self, message: str) -> None:
         print(message, file=self.out, flush=True)
@@ -479,6 +480,10 @@ class JobRun:
         with JobLock(journal_path), _output_lock(opts.output, journal_path):  # a second run stops here, naming
             # this one (one that writes the same output through a link, or with its own --journal, too)
             fresh = not Path(journal_path).exists()
+            if opts.restart and any(isinstance(r, Row) for r in table.rows):
+                # Loaded before --restart empties the journal: an option the engine refuses (or a
+                # Ctrl-C while it loads) cost the finished job's rows.
+                self._backend = self._load_backend()
             journal = Journal(journal_path, fp, restart=opts.restart, settings=settings, legacy=legacy_fp)
             unused = False
             try:
@@ -497,6 +502,11 @@ class JobRun:
                 journal.close()
                 if unused:
                     _remove_journal(journal.path)
+
+    def _load_backend(self):
+        opts = self.opts
+        return get_backend(self.model_path, cluster=opts.cluster, device=opts.device, dtype=opts.dtype,
+                           engine_options=opts.engine_options)
 
     def _run(self, table: Table, journal: Journal, model_name: str, errors_path: str | None) -> JobSummary:
         opts = self.opts
@@ -527,8 +537,7 @@ class JobRun:
         t0 = time.perf_counter()
         service = None
         if todo:  # loaded before any row is journaled: an option the engine refuses leaves the journal empty
-            service = get_backend(self.model_path, cluster=opts.cluster, device=opts.device, dtype=opts.dtype,
-                                  engine_options=opts.engine_options)
+            service = self._backend or self._load_backend()
             if getattr(opts.cluster, "remote", False):  # only its tokenizer loads here
                 total, down = len(opts.cluster.specs), len(opts.cluster.down_at_start)
                 what = (f"{total - down} of {total} endpoints serving {model_name} (the others get work once they "

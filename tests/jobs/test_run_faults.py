@@ -166,6 +166,35 @@ def test_an_option_the_engine_refuses_leaves_no_journal_to_block_the_corrected_c
     assert "longer than the model's context" in err and "different options" not in err
 
 
+@pytest.mark.parametrize("fault", ["EngineConfigError", "KeyboardInterrupt"])
+def test_a_restart_whose_model_cannot_load_keeps_the_finished_jobs_journal(tmp_path, capsys, monkeypatch, fault):
+    """--restart emptied the journal before the model loaded: a bad option (--max-model-len 9000)
+    or a Ctrl-C while loading then cost every finished row, and the next run computed them all
+    again. The model now loads first."""
+    from batchprompt.engine.config import EngineConfigError
+    from batchprompt.jobs import Journal
+
+    def refuse(*a, **k):
+        if fault == "KeyboardInterrupt":
+            raise KeyboardInterrupt
+        raise EngineConfigError("max_model_len 9000 is longer than the model's context of 8192 tokens")
+    monkeypatch.setattr("batchprompt.jobs.run.get_backend", refuse)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    inp.write_text('{"prompt": "hi"}\n{"prompt": "ho"}\n')
+    journal = Journal(f"{out}.journal", "the finished job's")
+    journal.record(1, "line-1", True, {"custom_id": "line-1"})
+    journal.record(2, "line-2", True, {"custom_id": "line-2"})
+    journal.close()
+    try:
+        code = main(["run", str(inp), "-o", str(out), "--restart", "--max-model-len", "9000", "--no-progress"])
+    except KeyboardInterrupt:
+        code = 130
+    assert code in (2, 130)
+    kept = Journal(f"{out}.journal", "the finished job's")
+    assert kept.done_lines() == {1, 2}
+    kept.close()
+
+
 def test_a_journal_in_a_missing_folder_is_refused_as_an_output_there_is(tmp_path, capsys, no_model):
     # The folders were made (even at /), while -o into a missing folder is an error.
     inp = tmp_path / "in.jsonl"
