@@ -183,6 +183,9 @@ def _settings(opts: JobOptions, max_tokens, temperature, seed, system) -> list[t
                 ("--format", opts.format), ("the structured-output options", opts.structured)]
     if opts.dtype != "auto":  # a resume in another dtype mixed float32 and bfloat16 rows; "auto" (the
         settings.append(("--dtype", opts.dtype))  # default) adds nothing, so journals of before still match
+    max_model_len = (opts.engine_options or {}).get("max_model_len")
+    if max_model_len is not None:  # which rows fit (a resume with a shorter context failed rows that the first
+        settings.append(("--max-model-len", max_model_len))  # run answered); left out, nothing is added
     return settings
 
 

@@ -253,3 +253,8 @@ def test_a_job_resumes_under_any_name_of_its_model_and_a_mismatch_names_what_cha
     assert main(args + ["--dtype", "float32"]) == 2
     err = capsys.readouterr().err
     assert "changed since the job began: --dtype (not given → \"float32\")" in err, err  # not "null"
+    # A shorter context is another job: a resume with --max-model-len 100 failed the rows that
+    # the first run answered with the model's whole context, and counted both in one output.
+    assert main(args + ["--max-model-len", "100"]) == 2
+    err = capsys.readouterr().err
+    assert "changed since the job began: --max-model-len (not given → 100)" in err, err
