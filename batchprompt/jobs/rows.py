@@ -203,6 +203,8 @@ def _read_table(raw: bytes, fmt: str, path: str, column: str | None = None):
             return parquet.read(use_threads=False)
         tsv = path.lower().endswith(".tsv")
         delimiter = "\t" if tsv else ","
+        if not tsv:
+            _check_quotes_close(raw, path)
 
         def read(block_size: int | None = None):
             # Not checking UTF-8 here keeps text columns text (checked, pyarrow would turn a column
@@ -231,6 +233,26 @@ def _read_table(raw: bytes, fmt: str, path: str, column: str | None = None):
             return read(min(len(raw) + 1, 2**31 - 1))
     except (pa.ArrowInvalid, OSError) as e:
         raise InputError(f"{path}: cannot read it as {fmt}: {e}") from e
+
+
+def _check_quotes_close(raw: bytes, path: str) -> None:
+    """A CSV cell that opens a quote and never closes it is the rest of the file: pyarrow read
+    a stray quote on line 3 of 6 as 2 rows, silently (as pandas refuses it: "EOF inside string")."""
+    if b'"' not in raw:
+        return
+    import csv
+    import io
+
+    reader = csv.reader(io.StringIO(raw.decode("utf-8", "replace"), newline=""), strict=True)
+    start = 1  # the line the record being read starts on
+    try:
+        for _ in reader:
+            start = reader.line_num + 1
+    except csv.Error as e:
+        if "unexpected end of data" not in str(e):  # other strictness pyarrow reads through as before
+            return
+        raise InputError(f"{path}: line {start} opens a quoted cell that is never closed, so the rest of the file "
+                         f"would be one cell: close that quote, or double each \" inside a quoted cell (\"\")") from None
 
 
 def _header(raw: bytes, block_size: int | None, parse_options) -> list[str]:

@@ -232,6 +232,18 @@ def test_a_tsv_is_read_without_quoting(tmp_path):
                                                        '"unclosed, it took the next line', 'Win a "prize"']
 
 
+def test_a_csv_quote_that_never_closes_is_refused_naming_its_line(tmp_path):
+    """A stray quote on line 3 made the rest of the file one cell: 5 rows read as 2, silently."""
+    p = tmp_path / "in.csv"
+    p.write_text('text\nfirst\n"oops a stray quote\nthird\nfourth\nfifth\n')
+    with pytest.raises(InputError, match=r"in.csv: line 3 opens a quoted cell that is never closed"):
+        read_input(str(p), "text")
+    # Quotes that close, a quoted cell over lines, a doubled quote and a quote inside a cell are read.
+    p.write_text('id,text\n1,"two\nlines"\n2,"say ""hi"""\n3,5" tall\n')
+    rows = read_input(str(p), "text").rows
+    assert [r.messages[0]["content"] for r in rows] == ["two\nlines", 'say "hi"', '5" tall']
+
+
 def test_a_tsv_is_written_as_one_is_read(tmp_path):
     """Each row one line and each cell as it came; the tabs and line breaks TSV cannot hold
     (in an answer, or in a CSV cell) are written as \\t, \\n and \\r."""
