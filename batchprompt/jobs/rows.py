@@ -12,6 +12,7 @@ counted per name on the Table, so the job can name them once.
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -232,7 +233,16 @@ def _read_table(raw: bytes, fmt: str, path: str, column: str | None = None):
             # one block. That row is then refused as too long for the context, alone.
             return read(min(len(raw) + 1, 2**31 - 1))
     except (pa.ArrowInvalid, OSError) as e:
-        raise InputError(f"{path}: cannot read it as {fmt}: {e}") from e
+        kind = "tsv" if path.lower().endswith(".tsv") else fmt
+        ragged = re.search(r"Row #(\d+): Expected (\d+) columns, got (\d+)", str(e))
+        if ragged:  # pyarrow counts the header as row 1; its "CSV parse error" said so of a .tsv too
+            row, want, got = ragged.groups()
+            sep = "tab" if kind == "tsv" else "comma"
+            why = (f"a {sep} in a cell splits it in two" + ("" if kind == "tsv" else ": quote such a cell")
+                   if int(got) > int(want) else f"an empty cell is nothing between two {sep}s")
+            raise InputError(f"{path}: record {row} of the file (the header is record 1) has {got} cells where the "
+                             f"header has {want}: give every record the header's columns ({why})") from None
+        raise InputError(f"{path}: cannot read it as {kind}: {e}") from e
 
 
 def _check_quotes_close(raw: bytes, path: str) -> None:

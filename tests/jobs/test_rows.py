@@ -244,6 +244,24 @@ def test_a_csv_quote_that_never_closes_is_refused_naming_its_line(tmp_path):
     assert [r.messages[0]["content"] for r in rows] == ["two\nlines", 'say "hi"', '5" tall']
 
 
+@pytest.mark.parametrize("name, text, message", [
+    ("q.csv", "id,text,x\n1,a,b\n3,short\n", "record 3 of the file (the header is record 1) has 2 cells where the "
+     "header has 3: give every record the header's columns (an empty cell is nothing between two commas)"),
+    ("w.csv", "id,text\n1,a,b\n", "record 2 of the file (the header is record 1) has 3 cells where the header has "
+     "2: give every record the header's columns (a comma in a cell splits it in two: quote such a cell)"),
+    ("q.tsv", "id\ttext\tx\n3\tshort\n", "record 2 of the file (the header is record 1) has 2 cells"),
+])
+def test_a_record_of_other_width_than_the_header_is_named_in_words(tmp_path, name, text, message):
+    """It said "cannot read it as csv: CSV parse error: Row #4: Expected 3 columns, got 2" (of a
+    .tsv too), its row counting the header."""
+    p = tmp_path / name
+    p.write_text(text)
+    with pytest.raises(InputError) as e:
+        read_input(str(p), "text")
+    assert str(e.value).startswith(f"{p}: {message}"), str(e.value)
+    assert "as csv" not in str(e.value)
+
+
 def test_a_tsv_is_written_as_one_is_read(tmp_path):
     """Each row one line and each cell as it came; the tabs and line breaks TSV cannot hold
     (in an answer, or in a CSV cell) are written as \\t, \\n and \\r."""
