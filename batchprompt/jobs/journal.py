@@ -37,21 +37,29 @@ def _settings_json(settings: dict[str, object]) -> str:
 class Journal:
     def __init__(self, path: str | Path, fingerprint: str, restart: bool = False,
                  commit_every: int = 64, commit_seconds: float = 0.5, job_id: str | None = None,
-                 settings: dict[str, object] | None = None, legacy: str | tuple[str, ...] | None = None):
+                 settings: dict[str, object] | None = None, legacy: str | tuple[str, ...] | None = None,
+                 read_only: bool = False):
         """`settings`: what the fingerprint was made of, by name (kept, so that a mismatch can
         say which of them changed). `legacy`: the same job's fingerprint(s) as older batchprompts
-        made it; a journal that holds one is this job's (and takes the new one)."""
+        made it; a journal that holds one is this job's (and takes the new one). `read_only`: an
+        existing journal, checked as a run would check it and read, never written (a dry run)."""
         self.path = Path(path)
         self._pending: list[tuple[int, str | None, int, str, int, int]] = []
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if not read_only:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise StorageError.from_os(self.path, e) from None
         try:
-            self.db = sqlite3.connect(str(self.path), isolation_level=None)
+            self.db = (sqlite3.connect(self.path.resolve().as_uri() + "?mode=ro", uri=True, isolation_level=None)
+                       if read_only else sqlite3.connect(str(self.path), isolation_level=None))
         except sqlite3.OperationalError as e:
             raise StorageError.from_sqlite(self.path, e) from None
         self._check_is_a_journal()
+        if read_only:
+            self._check_job(fingerprint, restart, settings, legacy)
+            self.job_id = self.get("job_id") or ""
+            return
         with self._writing():
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=FULL")
@@ -59,19 +67,7 @@ class Journal:
             self.db.execute("CREATE TABLE IF NOT EXISTS rows (line INTEGER PRIMARY KEY, custom_id TEXT, "
                             "ok INTEGER NOT NULL, record TEXT NOT NULL, "
                             "prompt_tokens INTEGER NOT NULL DEFAULT 0, completion_tokens INTEGER NOT NULL DEFAULT 0)")
-        if self.get("fingerprint") is None and not restart and not self.empty():  # its meta table was lost
-            self._refuse(f"the journal {self.path} holds rows but no record of the job they belong to "
-                         f"(damaged, or not made by batchprompt)", "give another --journal, or --restart to start over")
-        olds = legacy if isinstance(legacy, tuple) else (legacy,)
-        other = self.get("fingerprint") not in (None, fingerprint, *olds)  # begun for another input or options
-        if other and not restart and not self.empty():
-            changed = self._changed(settings)
-            self._refuse(
-                f"the journal {self.path} belongs to a different input or different options ("
-                + (f"changed since the job began: {changed}" if changed else
-                   "the input file, or an option such as --model, --system, --max-tokens or --temperature, "
-                   "changed since the job began")
-                + ")", "run with the job's first options to resume, or --restart to start over")
+        other = self._check_job(fingerprint, restart, settings, legacy)
         if restart or other:  # other: an empty journal, taken over (nothing is lost)
             with self._writing():
                 self.db.execute("DELETE FROM rows")
@@ -85,6 +81,25 @@ class Journal:
         self.set("job_id", self.job_id)
         self.commit_every, self.commit_seconds = commit_every, commit_seconds
         self._last_commit = time.monotonic()
+
+    def _check_job(self, fingerprint: str, restart: bool, settings: dict[str, object] | None,
+                   legacy: str | tuple[str, ...] | None) -> bool:
+        """Refuse a journal of another job that holds rows (unless `restart`); whether it was
+        begun for another input or options."""
+        if self.get("fingerprint") is None and not restart and not self.empty():  # its meta table was lost
+            self._refuse(f"the journal {self.path} holds rows but no record of the job they belong to "
+                         f"(damaged, or not made by batchprompt)", "give another --journal, or --restart to start over")
+        olds = legacy if isinstance(legacy, tuple) else (legacy,)
+        other = self.get("fingerprint") not in (None, fingerprint, *olds)  # begun for another input or options
+        if other and not restart and not self.empty():
+            changed = self._changed(settings)
+            self._refuse(
+                f"the journal {self.path} belongs to a different input or different options ("
+                + (f"changed since the job began: {changed}" if changed else
+                   "the input file, or an option such as --model, --system, --max-tokens or --temperature, "
+                   "changed since the job began")
+                + ")", "run with the job's first options to resume, or --restart to start over")
+        return other
 
     def _check_is_a_journal(self) -> None:
         """A file that is not SQLite, or a database of something else, is refused, not written

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import sqlite3
 import sys
 import tempfile
 import time
@@ -95,8 +96,9 @@ class JobSummary:
 
     def _headline(self) -> str:
         if self.estimate_seconds is not None:
-            return (f"dry run: {_n_rows(self.rows)} ({self.failed} that cannot run), {self.prompt_tokens:,} prompt "
-                    f"tokens; estimated run time {_duration(self.estimate_seconds)}")
+            done = f", {self.resumed} already done (the journal)" if self.resumed else ""
+            return (f"dry run: {_n_rows(self.rows)} ({self.failed} that cannot run{done}), {self.prompt_tokens:,} "
+                    f"prompt tokens to run; estimated run time {_duration(self.estimate_seconds)}")
         if self.already_complete:
             return (f"{_n_rows(self.rows)}: {self.ok} ok, {self.failed} failed, all from an earlier run; "
                     f"{self.prompt_tokens:,} prompt and {self.completion_tokens:,} generated tokens")
@@ -479,7 +481,7 @@ class JobRun:
             model_name = model_source.name
 
         if opts.dry_run:
-            return self.dry_run(table)
+            return self.dry_run(table, self._done_before(journal_path, fp, settings, legacy_fp))
         with JobLock(journal_path), _output_lock(opts.output, journal_path):  # a second run stops here, naming
             # this one (one that writes the same output through a link, or with its own --journal, too)
             fresh = not Path(journal_path).exists()
@@ -680,17 +682,34 @@ class JobRun:
                 journal.record(row.line, row.custom_id, False, r)
         return _items(ready)
 
-    def dry_run(self, table: Table) -> JobSummary:
+    def _done_before(self, journal_path, fp: str, settings: dict, legacy_fp) -> set[int]:
+        """For a dry run: the lines a journal of this job already holds (none with --restart), read
+        without writing it; a journal of other options is refused as the run would refuse it."""
+        if self.opts.restart or not Path(journal_path).exists():
+            return set()
+        try:
+            journal = Journal(journal_path, fp, settings=settings, legacy=legacy_fp, read_only=True)
+        except sqlite3.OperationalError:  # no tables yet: nothing done
+            return set()
+        try:
+            return journal.done_lines()
+        finally:
+            journal.close()
+
+    def dry_run(self, table: Table, done: set[int] = frozenset()) -> JobSummary:
         """Count rows and prompt tokens; time a short calibration run; estimate the whole job.
         A row counts as the run would take it: one the run refuses (see _ready) cannot run, and
-        neither its tokens nor its time count."""
+        neither its tokens nor its time count; nor does one that a journal of the job holds."""
         opts = self.opts
-        rows = [r for r in table.rows if isinstance(r, Row)]
+        rows = [r for r in table.rows if isinstance(r, Row) and r.line not in done]
+        if not rows:  # nothing left to run: no model to load, nothing to time
+            return JobSummary(rows=len(table.rows), failed=len(table.rows) - len(done), notes=table.notes(),
+                              resumed=len(done), estimate_seconds=0.0)
         service = get_backend(self.model_path, cluster=opts.cluster, device=opts.device, dtype=opts.dtype,
                               engine_options=opts.engine_options)
         ready = [r for r in (self._ready(row, service) for row in rows) if isinstance(r, Ready)]
-        summary = JobSummary(rows=len(table.rows), failed=len(table.rows) - len(ready), notes=table.notes(),
-                             prompt_tokens=sum(len(r.ids) for r in ready))
+        summary = JobSummary(rows=len(table.rows), failed=len(table.rows) - len(done) - len(ready),
+                             notes=table.notes(), prompt_tokens=sum(len(r.ids) for r in ready), resumed=len(done))
         # A tenth of the rows, 4 to calibration_rows: a small job's dry run ran it whole.
         sample = ready[:min(opts.calibration_rows, max(4, -(-len(ready) // 10)))]
         items, _ = _items(sample)

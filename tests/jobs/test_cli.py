@@ -432,6 +432,31 @@ def test_dry_run_counts_and_estimates_without_running(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_a_dry_run_reads_the_jobs_journal_as_the_run_would(tmp_path, capsys):
+    """It ignored the journal: it estimated every row of a job half done, and estimated a job
+    whose journal the run then refused (other options) with exit 0. It never writes the journal."""
+    import sqlite3
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    write_sms_batch(inp, 8)
+    args = ["run", str(inp), "-o", str(out), "--max-tokens", "2", "--no-progress"]
+    assert main(args) == 0
+    with sqlite3.connect(f"{out}.journal") as db:  # as a run killed after its first 5 rows
+        db.execute("DELETE FROM rows WHERE line > 5")
+    before = (tmp_path / "o.jsonl.journal").read_bytes()
+    capsys.readouterr()
+    assert main(args + ["--dry-run"]) == 0
+    err = capsys.readouterr().err
+    assert "dry run: 8 rows (0 that cannot run, 5 already done (the journal))" in err, err
+    assert "calibration: 3 rows in" in err, err
+    assert main(args + ["--dry-run", "--temperature", "0.5"]) == 2
+    assert "changed since the job began: --temperature (0.0 → 0.5)" in capsys.readouterr().err
+    assert main(args + ["--dry-run", "--temperature", "0.5", "--restart"]) == 0  # the restart would run them all
+    assert "dry run: 8 rows (0 that cannot run), " in capsys.readouterr().err
+    assert (tmp_path / "o.jsonl.journal").read_bytes() == before
+
+
+@pytest.mark.slow
 def test_dtype_context_and_kv_size_reach_the_engine(tmp_path):
     import torch
 
