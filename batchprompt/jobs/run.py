@@ -106,10 +106,12 @@ class JobSummary:
                 f"{f' ({self.resumed} from an earlier run)' if self.resumed else ''}{self._left()}; "
                 f"{self.prompt_tokens:,} prompt and {self.completion_tokens:,} generated tokens")
         if not self.run_rows:  # nothing computed now: no rate to give
-            return f"{head}; {'nothing finished in this run' if self.interrupted else 'outputs written from the journal'}"
+            what = ("nothing finished in this run" if self.interrupted else "outputs written from the journal"
+                    if self.resumed else "no row reached the model")  # a first run whose every row failed as it was read
+            return f"{head}; {what}"
         # The rate is this run's tokens over this run's time: resumed rows took no time now.
         rate = self.run_completion_tokens / self.seconds if self.seconds else 0.0
-        now = (f"this run {_n_rows(self.run_rows)}, {self.run_completion_tokens:,} generated tokens "
+        now = (f"this run computed {_n_rows(self.run_rows)}, {self.run_completion_tokens:,} generated tokens "
                if self.resumed else "")
         return (f"{head}; {now}in {_duration(self.seconds)} ({rate:,.0f} tok/s); prefix-cache hit "
                 f"{self.prefix_cache_hit_rate:.0%}")

@@ -33,3 +33,13 @@ def test_an_interrupted_run_says_how_many_rows_did_not_run_yet():
                           interrupted=True, interrupted_by=2))
     assert text.startswith("80 rows: 15 ok, 1 failed, 64 not run yet (run the same command again to resume)")
     assert "not run yet" not in str(JobSummary(rows=80, ok=79, failed=1, run_rows=80, seconds=2.0))
+
+
+def test_a_first_run_that_computed_nothing_does_not_speak_of_a_journal():
+    # Every row failed as it was read: it said "outputs written from the journal", as of a resume.
+    text = str(JobSummary(rows=2, failed=2))
+    assert text.endswith("; no row reached the model") and "journal" not in text
+    assert str(JobSummary(rows=2, ok=2, resumed=2)).endswith("; outputs written from the journal")
+    # Rows refused as the resume read them are not "this run"'s computed rows: it read "this run 48 rows".
+    text = str(JobSummary(rows=300, ok=147, failed=153, resumed=99, run_rows=48, run_completion_tokens=96, seconds=2))
+    assert "; this run computed 48 rows, 96 generated tokens in 2.0s" in text
