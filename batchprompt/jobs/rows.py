@@ -149,7 +149,14 @@ def read_input(path: str, column: str | None = None, stdin=None) -> Table:
     if fmt == "jsonl":
         if column:
             raise InputError("--column applies to CSV and Parquet input, not JSONL")
-        return Table(read_jsonl(raw), "jsonl", raw)
+        rows = read_jsonl(raw)
+        if rows and all(isinstance(r, RowError) and r.code == "invalid_json" for r in rows):
+            # Plain text (one prompt a line) failed every line as "not valid JSON", exit 1.
+            name = "standard input (-)" if path == "-" else path
+            raise InputError(f"{name}: no line is JSON ({rows[0].message}): the input is JSON lines, one request "
+                             f"each ({{\"prompt\": \"...\"}}, or OpenAI's batch lines); for plain text, one prompt a "
+                             f"line, write a CSV with a header and give --column") from None
+        return Table(rows, "jsonl", raw)
     table = _read_table(raw, fmt, path, column)
     if not column:
         raise InputError(f"{path}: {fmt} input needs --column naming the prompt column "

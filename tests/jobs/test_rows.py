@@ -262,6 +262,19 @@ def test_a_record_of_other_width_than_the_header_is_named_in_words(tmp_path, nam
     assert "as csv" not in str(e.value)
 
 
+def test_a_jsonl_of_which_no_line_is_json_is_refused_as_a_file(tmp_path):
+    """Plain text in a .jsonl (or piped to -) failed every line as invalid_json, exit 1, with no
+    word of what the input should be. One broken line among others still fails alone."""
+    p = tmp_path / "in.jsonl"
+    p.write_text("Say hi\nSay ho\n")
+    with pytest.raises(InputError, match=r"in.jsonl: no line is JSON \(line 1: not valid JSON .*\): the input is "
+                                         r"JSON lines, one request each"):
+        read_input(str(p))
+    p.write_text('Say hi\n{"prompt": "Say ho"}\n')
+    rows = read_input(str(p)).rows
+    assert isinstance(rows[0], RowError) and rows[0].code == "invalid_json" and isinstance(rows[1], Row)
+
+
 def test_a_tsv_is_written_as_one_is_read(tmp_path):
     """Each row one line and each cell as it came; the tabs and line breaks TSV cannot hold
     (in an answer, or in a CSV cell) are written as \\t, \\n and \\r."""
