@@ -10,13 +10,19 @@ import sys
 from typing import IO, Any
 
 
+#: How often a bar on a file that is not a terminal (a log, CI's output) is written: tqdm's 0.1 s
+#: wrote hundreds of carriage-return updates into a log for a job of seconds.
+LOG_INTERVAL_S = 30.0
+
+
 def width_options(file: IO | None = None) -> dict[str, Any]:
-    """tqdm keyword arguments for the bar's width on `file` (default stderr, as tqdm's)."""
+    """tqdm keyword arguments for the bar on `file` (default stderr, as tqdm's): its width, and
+    on a file that is not a terminal, an update every LOG_INTERVAL_S (its first and last still come)."""
     file = sys.stderr if file is None else file
     try:
         size = os.get_terminal_size(file.fileno())
     except (AttributeError, OSError, ValueError):  # not a terminal: tqdm draws its default width
-        return {"dynamic_ncols": True}
+        return {"dynamic_ncols": True, "mininterval": LOG_INTERVAL_S}
     if size.columns > 0 and size.lines > 0:
         return {"dynamic_ncols": True}
     fallback = shutil.get_terminal_size()

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import select
+import time
 
 from tqdm import tqdm
 
-from batchprompt.progress_bar import width_options
+from batchprompt.progress_bar import LOG_INTERVAL_S, width_options
 
 
 def _drawn(fd: int) -> str:
@@ -38,6 +39,15 @@ def test_a_terminal_of_no_size_gets_a_bar_all_the_same():
     assert "1/3" in midway and "3/3" in end, (midway, end)
 
 
-def test_anything_but_a_terminal_keeps_tqdm_s_own_width(tmp_path):
+def test_anything_but_a_terminal_keeps_tqdm_s_own_width_and_is_written_seldom(tmp_path):
+    """A log got tqdm's update ten times a second: hundreds of carriage-return lines for a job of
+    seconds. It gets its first and last line, and one every LOG_INTERVAL_S between."""
     with open(tmp_path / "log", "w") as f:
-        assert width_options(f) == {"dynamic_ncols": True}
+        options = width_options(f)
+        assert options == {"dynamic_ncols": True, "mininterval": LOG_INTERVAL_S}
+        bar = tqdm(total=200, file=f, **options)
+        for _ in range(200):
+            bar.update(1)
+            time.sleep(0.001)
+        bar.close()
+    assert (tmp_path / "log").read_text().count("\r") <= 3
