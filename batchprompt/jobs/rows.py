@@ -104,7 +104,7 @@ class Table:
             notes.append(f"{_rows(self.invalid_utf8_rows)} had invalid UTF-8 (replaced with U+FFFD)")
         if streamed := sum(isinstance(r, Row) and bool(r.body.get("stream")) for r in self.rows):
             notes.append(f"{_rows(streamed)} asked for stream: true; a job writes whole results, so "
-                         f"{'it' if streamed == 1 else 'they'} ran unstreamed")
+                         f"{'it runs' if streamed == 1 else 'they run'} unstreamed")
         if self.unknown_fields:
             names = ", ".join(f"{name} ({_rows(n)})" for name, n in sorted(self.unknown_fields.items()))
             notes.append(f"ignored unknown body fields: {names}")
