@@ -375,7 +375,7 @@ def test_rows_that_ask_to_stream_run_whole_and_the_summary_says_so():
     assert Table(rows, "jsonl", b"").notes() == [
         "2 rows asked for stream: true; a job writes whole results, so they run unstreamed"]
     assert Table(rows[:1], "jsonl", b"").notes() == [
-        "1 row asked for stream: true; a job writes whole results, so it ran unstreamed"]
+        "1 row asked for stream: true; a job writes whole results, so it runs unstreamed"]
 
 
 @pytest.mark.parametrize("line, message", [
