@@ -52,7 +52,7 @@ class Batch:
         self._on_result: list[Callable[[int, Result], None]] = []
         self._on_complete: list[Callable[[list[Result]], None]] = []
         # (fn, with the last, inline: ours, called on the engine's thread; else on the callback thread)
-        self._on_tokens: list[tuple[Callable[[int, list[int]], None], bool, bool]] = []
+        self._on_tokens: list[tuple[Callable[..., None], bool, bool, bool]] = []  # fn, last, inline, logprobs
         self._dispatched = False  # a callback of this batch went to the callback thread
         self._completed = False  # every result is in and the on_complete callbacks are taken
         self._done = threading.Event()  # every result is in
@@ -107,14 +107,16 @@ class Batch:
         _check_callable("on_tokens", fn)
         return self._add_on_tokens(fn, last, inline=False)
 
-    def _add_on_tokens(self, fn: Callable[[int, list[int]], None], last: bool, inline: bool) -> "Batch":
+    def _add_on_tokens(self, fn: Callable[..., None], last: bool, inline: bool, logprobs: bool = False) -> "Batch":
         """`inline`: `fn` is ours, quick and never raises (a queue's put), and is called on the
         engine's thread: a stream must not wait behind user callbacks on the shared callback
-        thread (one that blocked froze every prompt_streaming in the process)."""
+        thread (one that blocked froze every prompt_streaming in the process). `logprobs`: `fn`
+        takes a third argument, the tokens' (log-probs, top log-probs) where the prompt asked
+        for them (else None)."""
         with self._start_lock:
             if self._started_at is not None:
                 raise RuntimeError("on_tokens must be set before the batch starts")
-            self._on_tokens.append((fn, last, inline))
+            self._on_tokens.append((fn, last, inline, logprobs))
         return self
 
     def start(self) -> "Batch":
@@ -163,16 +165,17 @@ class Batch:
             self._deliver(result)
         return handle
 
-    def _token_handler(self, index: int) -> Callable[[list[int], bool], None]:
-        def handle(ids: list[int], last: bool) -> None:
-            for fn, with_last, inline in self._on_tokens:
+    def _token_handler(self, index: int) -> Callable[..., None]:
+        def handle(ids: list[int], last: bool, logprobs: tuple | None = None) -> None:
+            for fn, with_last, inline, with_logprobs in self._on_tokens:
                 if last and not with_last:
                     continue
+                args = (index, ids, logprobs) if with_logprobs else (index, ids)
                 if inline:
-                    fn(index, ids)
+                    fn(*args)
                 else:
                     self._dispatched = True  # wait() ends after it ran (it ended before, on_tokens alone)
-                    self._service.dispatch(fn, index, ids)
+                    self._service.dispatch(fn, *args)
         return handle
 
     # ---- results --------------------------------------------------------------------------

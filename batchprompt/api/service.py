@@ -444,13 +444,17 @@ class EngineService(StopCounts):
             if ids is None or len(ids) <= sent:
                 continue
             self._streaming[rid] = (item, len(ids))
-            _hand_tokens(item, ids[sent:], False)
+            logprobs = self.engine.output_logprobs(rid, sent) if item.params.logprobs else None
+            _hand_tokens(item, ids[sent:], False, logprobs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             streamed = self._streaming.pop(out.request_id, None)
             if streamed is not None and len(out.output_token_ids) > streamed[1]:  # those of its last step
-                _hand_tokens(streamed[0], out.output_token_ids[streamed[1]:], True)
+                sent = streamed[1]
+                logprobs = ((list(out.logprobs[sent:]), list((out.top_logprobs or [])[sent:]))
+                            if streamed[0].params.logprobs and out.logprobs is not None else None)
+                _hand_tokens(streamed[0], out.output_token_ids[sent:], True, logprobs)
             entry = self._in_engine.pop(out.request_id, None)
             if entry is None:  # already answered (after an engine failure), or not ours
                 continue
@@ -499,9 +503,10 @@ class EngineService(StopCounts):
         self._callbacks.close()  # after the callbacks of the answers above
 
 
-def _hand_tokens(item: Item, ids: list[int], last: bool) -> None:
+def _hand_tokens(item: Item, ids: list[int], last: bool, logprobs: tuple | None = None) -> None:
+    """`logprobs`: (the tokens' log-probs, their top ones), where the request asked for them."""
     try:
-        item.on_tokens(ids, last)  # type: ignore[misc]
+        item.on_tokens(ids, last, logprobs)  # type: ignore[misc]
     except Exception:  # noqa: BLE001  (a streaming consumer's bug costs it its stream only)
         log.exception("a token stream's callback failed; the request goes on")
 

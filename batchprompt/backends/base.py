@@ -46,10 +46,11 @@ class Item:
     params: SamplingParams
     on_done: Callable[[RequestOutput], None]
     request_id: str | None = None
-    #: Optional: `on_tokens(ids, last)` with the tokens made since the last call, as a step
-    #: makes them; last=True for those of the step that finished the prompt, just before
-    #: `on_done` (which still carries them all). Backends that cannot stream never call it.
-    on_tokens: Callable[[list[int], bool], None] | None = None
+    #: Optional: `on_tokens(ids, last, logprobs)` with the tokens made since the last call, as a
+    #: step makes them; last=True for those of the step that finished the prompt, just before
+    #: `on_done` (which still carries them all); `logprobs`, where the params ask for them, is
+    #: (their log-probs, their top ones), else None. Backends that cannot stream never call it.
+    on_tokens: Callable[[list[int], bool, tuple | None], None] | None = None
 
 
 @dataclass(eq=False)

@@ -254,6 +254,14 @@ class LLMEngine:
             return None
         return list(req.output_token_ids)
 
+    def output_logprobs(self, request_id: str, start: int) -> tuple[list[float], list[list[tuple[int, float]]]] | None:
+        """A running request's log-probs from its token `start` on, and the top ones where asked
+        (for streaming them with the tokens); None as output_ids gives None."""
+        req = self._requests.get(request_id)
+        if req is None or req.finish_reason is not None:
+            return None
+        return list(req.logprobs[start:]), list(req.top_logprobs[start:])
+
     def num_output_tokens(self, request_id: str) -> int:
         """How many tokens a request in the engine has made so far (0 for an unknown id)."""
         req = self._requests.get(request_id)

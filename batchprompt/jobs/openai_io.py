@@ -67,9 +67,7 @@ def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
                   token_text: Callable[[int], str] | TokenPieces, job: str = "") -> dict[str, Any]:
     """The body OpenAI would return for this row (one Result per choice, n of them); `job`
     scopes its id (see _id). `token_text`: how a token reads (a TokenPieces, or its text alone)."""
-    pieces = token_text if isinstance(token_text, TokenPieces) else TokenPieces(token_text)
-    if row.body.get("return_tokens_as_token_ids"):  # vLLM's: log-probs' tokens as "token_id:123"
-        pieces = TokenPieces(lambda t: f"token_id:{t}")
+    pieces = token_pieces(row, token_text)
     with_ids = bool(row.body.get("return_token_ids"))  # vLLM's: each choice's generated token ids
     prompt_tokens = choices[0].usage.prompt_tokens
     completion = sum(r.usage.completion_tokens for r in choices)
@@ -84,11 +82,8 @@ def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
             choice = {"index": i, "message": {"role": "assistant", "content": r.text, "refusal": None},
                       "finish_reason": FINISH.get(r.finish_reason, "stop"), "logprobs": None}
             if r.logprobs is not None:
-                tops = _tops(r)
-                choice["logprobs"] = {"content": [
-                    {**_chat_token(tid, lp, pieces),
-                     "top_logprobs": [_chat_token(t, v, pieces) for t, v in (tops[i] if tops else ())]}
-                    for i, (tid, lp) in enumerate(zip(r.token_ids, r.logprobs))], "refusal": None}
+                choice["logprobs"] = {"content": chat_logprobs(r.token_ids, r.logprobs, _tops(r), pieces),
+                                      "refusal": None}
             out.append(_with_extras(choice, r, with_ids))
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": out, "usage": usage, "system_fingerprint": None}
@@ -96,14 +91,7 @@ def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
     for i, r in enumerate(choices):
         choice = {"index": i, "text": r.text, "finish_reason": FINISH.get(r.finish_reason, "stop"), "logprobs": None}
         if r.logprobs is not None:
-            tokens = [pieces.text(t) for t in r.token_ids]
-            offsets, pos = [], 0
-            for t in tokens:
-                offsets.append(pos)
-                pos += len(t)
-            top = _completion_tops(r, tokens, pieces)
-            choice["logprobs"] = {"tokens": tokens, "token_logprobs": list(r.logprobs),
-                                  "top_logprobs": top, "text_offset": offsets}
+            choice["logprobs"] = completion_logprobs(r.token_ids, r.logprobs, _tops(r), pieces)
         out.append(_with_extras(choice, r, with_ids))
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": out, "usage": usage}
@@ -122,19 +110,49 @@ def _with_extras(choice: dict[str, Any], r: Result, with_ids: bool) -> dict[str,
     return choice
 
 
+def token_pieces(row: Row, token_text: Callable[[int], str] | TokenPieces) -> TokenPieces:
+    """How the row's log-probs name tokens: `token_text`, or vLLM's "token_id:123" where the body
+    asks (return_tokens_as_token_ids)."""
+    if row.body.get("return_tokens_as_token_ids"):
+        return TokenPieces(lambda t: f"token_id:{t}")
+    return token_text if isinstance(token_text, TokenPieces) else TokenPieces(token_text)
+
+
+def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[float], tops: Sequence | None,
+                  pieces: TokenPieces) -> list[dict[str, Any]]:
+    """A chat choice's `logprobs.content`: each token, its log-prob and bytes, and its top ones."""
+    return [{**_chat_token(tid, lp, pieces),
+             "top_logprobs": [_chat_token(t, v, pieces) for t, v in (tops[i] if tops else ())]}
+            for i, (tid, lp) in enumerate(zip(token_ids, logprobs))]
+
+
+def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[float], tops: Sequence | None,
+                        pieces: TokenPieces, offset: int = 0) -> dict[str, Any]:
+    """A completion choice's `logprobs` (tokens, token_logprobs, top_logprobs, text_offset), its
+    offsets counted from `offset` (a stream's chunk: the text before it)."""
+    tokens = [pieces.text(t) for t in token_ids]
+    offsets, pos = [], offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": tokens, "token_logprobs": list(logprobs),
+            "top_logprobs": _completion_tops(tokens, logprobs, tops, pieces), "text_offset": offsets}
+
+
 def _chat_token(tid: int, logprob: float, pieces: TokenPieces) -> dict[str, Any]:
     t = pieces.text(tid)
     raw = pieces.bytes(tid) if pieces.bytes is not None else t.encode("utf-8", "surrogatepass")
     return {"token": t, "logprob": logprob, "bytes": list(raw)}
 
 
-def _completion_tops(r: Result, tokens: list[str], pieces: TokenPieces) -> list[dict[str, float]]:
+def _completion_tops(tokens: list[str], logprobs: Sequence[float], tops: Sequence | None,
+                     pieces: TokenPieces) -> list[dict[str, float]]:
     """/v1/completions' top_logprobs, as OpenAI and vLLM give them: at each position the `logprobs`
     most likely tokens and the chosen one (up to logprobs + 1 entries; `logprobs: 0` gives the
     chosen token alone), whether or not it was among them."""
-    tops = _tops(r) or [()] * len(tokens)
+    tops = tops or [()] * len(tokens)
     out = []
-    for token, logprob, pos in zip(tokens, r.logprobs, tops):
+    for token, logprob, pos in zip(tokens, logprobs, tops):
         step = {pieces.text(t): v for t, v in pos}
         step.setdefault(token, logprob)
         out.append(step)

@@ -61,7 +61,8 @@ class Chunks:
     (`result`), then its finish chunk. Text that may still change is held back: an incomplete
     UTF-8 character (a trailing U+FFFD) and, where stop strings are set, as many characters as
     the longest of them less one, since a stop string that completes is cut from the output.
-    With logprobs asked, a choice comes whole when it completes (its chunk carries them).
+    With logprobs asked, each chunk carries those of its tokens (as vLLM streams them; a stop
+    string's held-back text is not sent, the log-probs of its tokens are).
     `continuous_usage` (vLLM's stream_options.continuous_usage_stats, with include_usage): each
     chunk carries the usage so far of its own choice (its prompt's tokens and the choice's tokens
     so far, as vLLM counts it), rather than null."""
@@ -77,20 +78,47 @@ class Chunks:
         self.cached_tokens: dict[int, int] = {}
         self.completion_tokens = 0
         self._streams: dict[int, TextStream] = {}  # choice index -> its text so far
-        self.streams_tokens = plan.decode is not None and not any(p.params.logprobs for p in plan.prepared)
+        self.streams_tokens = plan.decode is not None
+        self._logprobs_sent: dict[int, int] = {}  # choice index -> its tokens whose log-probs went out
+        self._offsets: dict[int, int] = {}  # completions: the text length of those tokens (text_offset)
 
     def _stream(self, index: int) -> TextStream:
         if index not in self._streams:
             self._streams[index] = TextStream(self.plan.decode, self.plan.prepared[index].params.stop)  # type: ignore[arg-type]
         return self._streams[index]
 
-    def tokens(self, index: int, ids: list[int]) -> list[str]:
-        """The chunk of choice `index`'s new text, given its new tokens (none while held back)."""
+    def tokens(self, index: int, ids: list[int], logprobs: tuple | None = None) -> list[str]:
+        """The chunk of choice `index`'s new text, given its new tokens (none while held back),
+        and their (log-probs, top log-probs) where asked (then a chunk each time, as vLLM's)."""
         if not self.streams_tokens:
             return []
         self._made[index] = self._made.get(index, 0) + len(ids)
         piece = self._stream(index).push(ids)
-        return [self._delta(index, piece)] if piece else []
+        if logprobs is None:
+            return [self._delta(index, piece)] if piece else []
+        return [self._delta(index, piece, self._token_logprobs(index, ids, logprobs))]
+
+    def _token_logprobs(self, index: int, ids: list[int], logprobs: tuple) -> dict:
+        values, tops = logprobs
+        n = min(len(ids), len(values))
+        tops = tops[:n] if tops else None
+        pieces = openai_io.token_pieces(self.plan.rows[index // self.plan.n], self.plan.token_text)
+        self._logprobs_sent[index] = self._logprobs_sent.get(index, 0) + n
+        if self.chat:
+            return {"content": openai_io.chat_logprobs(ids[:n], values[:n], tops, pieces), "refusal": None}
+        offset = self._offsets.get(index, 0)
+        out = openai_io.completion_logprobs(ids[:n], values[:n], tops, pieces, offset)
+        self._offsets[index] = offset + sum(map(len, out["tokens"]))
+        return out
+
+    def _unsent_logprobs(self, index: int, logprobs: dict | None) -> dict | None:
+        """A finished choice's log-probs less those its chunks carried already."""
+        sent = self._logprobs_sent.get(index, 0)
+        if not sent or logprobs is None:
+            return logprobs
+        if self.chat:
+            return {**logprobs, "content": logprobs["content"][sent:]}
+        return {key: value[sent:] for key, value in logprobs.items()}
 
     def _chunk(self, choices: list[dict], index: int | None = None) -> str:
         """`index`: the choice the chunk is of (None: of none yet, as the role's opening chunk)."""
@@ -109,10 +137,10 @@ class Chunks:
         made = 0 if index is None else self._made.get(index, 0)
         return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
 
-    def _delta(self, index: int, text: str) -> str:
+    def _delta(self, index: int, text: str, logprobs: dict | None = None) -> str:
         if not self.chat:
-            return self._chunk([{"index": index, "text": text, "logprobs": None, "finish_reason": None}], index)
-        return self._chunk([{"index": index % self.plan.n, "delta": {"content": text}, "logprobs": None,
+            return self._chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}], index)
+        return self._chunk([{"index": index % self.plan.n, "delta": {"content": text}, "logprobs": logprobs,
                              "finish_reason": None}], index)
 
     def _rest(self, index: int, text: str) -> tuple[str, bool]:
@@ -137,13 +165,15 @@ class Chunks:
         self._made[index] = r.usage.completion_tokens
         row = self.plan.rows[prompt]
         choice = openai_io.response_body(row, [r], self.model, self.created, self.plan.token_text)["choices"][0]
+        logprobs = self._unsent_logprobs(index, choice["logprobs"])
         if not self.chat:
-            return [self._chunk([dict(choice, index=index, text=self._rest(index, choice["text"])[0])], index)]
+            return [self._chunk([dict(choice, index=index, text=self._rest(index, choice["text"])[0],
+                                      logprobs=logprobs)], index)]
         i = index % self.plan.n
         out = []
         rest, streamed = self._rest(index, choice["message"]["content"] or "")
-        if rest or choice["logprobs"] is not None or not streamed:
-            out.append(self._chunk([{"index": i, "delta": {"content": rest}, "logprobs": choice["logprobs"],
+        if rest or (logprobs is not None and logprobs["content"]) or not streamed:
+            out.append(self._chunk([{"index": i, "delta": {"content": rest}, "logprobs": logprobs,
                                      "finish_reason": None}], index))
         finish = {"index": i, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"],
                   "stop_reason": choice.get("stop_reason")}

@@ -58,14 +58,15 @@ async def events(state: ServerState, batch: Batch, chunks: Chunks) -> AsyncItera
     loop = asyncio.get_running_loop()
     arrived: asyncio.Queue = asyncio.Queue()
 
-    def put(index: int, got: Result | list[int]) -> None:  # on the batch's callback thread
+    def put(index: int, got: Result | tuple) -> None:  # on the batch's callback thread
         try:
             loop.call_soon_threadsafe(arrived.put_nowait, (index, got))
         except RuntimeError:  # the loop has closed: the server is gone
             pass
 
-    if chunks.streams_tokens:
-        batch.on_tokens(put, last=False)  # new tokens, then (on the same thread, so after them) the result
+    if chunks.streams_tokens:  # new tokens and their log-probs, then (on the same thread, so after them) the result
+        batch._add_on_tokens(lambda index, ids, logprobs: put(index, (ids, logprobs)), last=False, inline=False,
+                             logprobs=True)
     batch.on_result(put)
     finished = False
     try:
@@ -85,8 +86,8 @@ async def events(state: ServerState, batch: Batch, chunks: Chunks) -> AsyncItera
                     yield KEEP_ALIVE
                     continue
                 index, result = item
-                if isinstance(result, list):  # a choice's new tokens
-                    for chunk in chunks.tokens(index, result):
+                if isinstance(result, tuple):  # a choice's new tokens, and their log-probs where asked
+                    for chunk in chunks.tokens(index, *result):
                         yield chunk
                     continue
                 received += 1

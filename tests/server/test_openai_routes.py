@@ -174,6 +174,38 @@ def test_a_chat_stream_sends_its_text_as_it_is_made(server):
     assert "".join(pieces) == whole.message.content and finish == whole.finish_reason
 
 
+def test_a_stream_with_logprobs_sends_them_with_its_tokens_as_vllm_does(server):
+    """With logprobs asked, a stream sent nothing until the answer was whole (one chunk of 54 KB
+    after 13 s: a client whose read timeout was shorter failed). Each chunk now carries its
+    tokens' log-probs; joined, they are the answer's, token for token."""
+    client = server.openai()
+    ask = dict(messages=[{"role": "user", "content": "Write two sentences about the sea."}], max_tokens=24,
+               temperature=0, logprobs=True, top_logprobs=2)
+    whole = _whole_chat(client, **ask)
+    carrying, streamed = 0, []
+    for c in client.chat.completions.create(model="smollm2-135m", stream=True, **ask):
+        for choice in c.choices:
+            if choice.logprobs is not None and choice.logprobs.content:
+                carrying += 1
+                streamed += choice.logprobs.content
+    assert carrying >= 8, carrying
+    assert [t.token for t in streamed] == [t.token for t in whole.logprobs.content]
+    assert all(len(t.top_logprobs) == 2 for t in streamed)
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in whole.logprobs.content], abs=1e-3)
+    # Completions: tokens, log-probs, top ones and offsets counted over the whole text.
+    chunks = list(client.completions.create(model="smollm2-135m", prompt="The sea is", max_tokens=12,
+                                            temperature=0, logprobs=2, stream=True))
+    parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs is not None
+             and c.choices[0].logprobs.tokens]
+    assert len(parts) >= 4, len(parts)
+    tokens = [t for p in parts for t in p.tokens]
+    offsets = [o for p in parts for o in p.text_offset]
+    assert offsets == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    assert all(1 <= len(top) <= 3 for p in parts for top in p.top_logprobs)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == "".join(t for t in tokens if t not in ("<|im_end|>", "<|endoftext|>")), (text, tokens)
+
+
 def test_a_stream_never_sends_what_a_stop_string_cuts(server):
     """A stop string is cut from the output once it completes: the stream holds back as many
     characters as could start one, so what it sent is never taken back."""
