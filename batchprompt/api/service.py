@@ -589,6 +589,9 @@ def get_service(model: str | LLMEngine | None = None, *, device: str = "auto", d
         service = _services.get(key)
         if service is None or service.stopped:
             if isinstance(model, LLMEngine):
+                if model.has_callers_requests():  # the session's thread would step them and drop their outputs
+                    raise RuntimeError("this engine has requests of its own in progress (add_request()): step them "
+                                       "to the end, or abort() them, before a session uses the engine")
                 engine, name = model, "engine"
             else:
                 def engine() -> LLMEngine:  # built on the service's engine thread

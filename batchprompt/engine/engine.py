@@ -153,9 +153,14 @@ class LLMEngine:
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        req = Request(request_id, ids, params, generator=gen, priority=priority)
+        req = Request(request_id, ids, params, generator=gen, priority=priority,
+                      by_driver=self.driver is not None and self.driver[0] is threading.current_thread())
         self._requests[request_id] = req
         return req
+
+    def has_callers_requests(self) -> bool:
+        """Whether requests that a caller added itself (not a session's service) are in the engine."""
+        return any(not r.by_driver for r in self._requests.values())
 
     def _validate(self, ids: list[int]) -> str | None:
         if not ids:
@@ -214,6 +219,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request; it comes back from the next `step()` with finish_reason 'abort'."""
+        self._check_not_driven("abort")
         req = self._requests.get(request_id)
         if req is None or req.is_finished or req.parent is not None:
             return False

@@ -43,8 +43,21 @@ def _failure(req: Request, token: int | None, tokenizer, eos_token_ids: frozense
     if reason and not is_no_match(reason):
         if token is None:  # "refused token 2" named the EOS, not the cause
             return f"the grammar engine stopped on the {kind}: {reason}"
+        special = _special_text(tokenizer, token)
+        if special is not None:  # llguidance offers a special token for its text, then refuses it
+            return (f"the {kind} asks for the text {special!r}, which is the model's special token {token}: the "
+                    f"grammar engine (llguidance) cannot write it as text; leave it out of the {kind}")
         return f"the grammar engine refused token {token}: {reason}"
     ids = [t for t in req.output_token_ids if t not in eos_token_ids]
     text = tokenizer.decode(ids) if ids else ""
     where = f"nothing can follow {text[-60:]!r} in it" if text else "no text matches it"
     return f"the {kind} cannot be satisfied: {where}; fix the {kind}"
+
+
+def _special_text(tokenizer, token: int) -> str | None:
+    """A special token's own text (`<|im_end|>`), or None for a token that is not one."""
+    hf = getattr(tokenizer, "hf", None)
+    if hf is None or token not in set(getattr(hf, "all_special_ids", ()) or ()) | set(
+            getattr(hf, "added_tokens_decoder", {}) or {}):
+        return None
+    return hf.convert_ids_to_tokens(token)

@@ -29,6 +29,7 @@ class Request:
     priority: int = 0
     # Set by the scheduler when its class starved: then ahead of every class until it finishes.
     promoted: bool = False
+    by_driver: bool = False  # added on the thread of a service that steps the engine (engine.driver)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)

@@ -43,7 +43,7 @@ class _OpenAIBody(StrictBody):
     structured_outputs: dict[str, Any] | None = None
     guided_choice: list[str] | None = None
     guided_regex: str | None = None
-    guided_json: dict[str, Any] | str | None = None  # a schema object, or its JSON text (as vLLM)
+    guided_json: dict[str, Any] | str | bool | None = None  # a schema object, its JSON text, or true (as vLLM)
     guided_grammar: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

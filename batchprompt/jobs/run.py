@@ -428,6 +428,7 @@ class JobRun:
         # error records, by line. Not journaled, so that running the job again runs them.
         self._not_run: dict[int, str] = {}
         self._backend = None  # loaded ahead of the journal (with --restart), else in _run
+        self._loaded_in = 0.0  # seconds
 
     def say(self, message: str) -> None:
         print(message, file=self.out, flush=True)
@@ -511,9 +512,11 @@ class JobRun:
                     _remove_journal(journal.path)
 
     def _load_backend(self):
-        opts = self.opts
-        return get_backend(self.model_path, cluster=opts.cluster, device=opts.device, dtype=opts.dtype,
-                           engine_options=opts.engine_options)
+        opts, t0 = self.opts, time.perf_counter()
+        backend = get_backend(self.model_path, cluster=opts.cluster, device=opts.device, dtype=opts.dtype,
+                              engine_options=opts.engine_options)
+        self._loaded_in = time.perf_counter() - t0  # said when the run begins (after the journal, with --restart)
+        return backend
 
     def _run(self, table: Table, journal: Journal, model_name: str, errors_path: str | None) -> JobSummary:
         opts = self.opts
@@ -551,7 +554,7 @@ class JobRun:
                         f"answer)" if down else f"{total} endpoint(s) serving {model_name}")
             else:
                 what = f"model {model_name}"
-            self.say(f"{what} ready in {time.perf_counter() - t0:.1f}s; {len(todo)} rows to run")
+            self.say(f"{what} ready in {self._loaded_in:.1f}s; {len(todo)} rows to run")
             self._check_choices_option(todo, service)
             self._check_system_option(todo, service)
         for r in table.rows:  # unreadable rows are answered now
@@ -761,7 +764,9 @@ class JobRun:
                 if got is None:  # no result for a while: what finished before becomes durable now
                     journal.flush_due()
                     if live is not None and (rate := live.rate()) is not None:
-                        bar.set_postfix_str(f"{rate:,.0f} tok/s, {errors} errors")
+                        bar.set_postfix_str(f"{rate:,.0f} tok/s, {errors} errors", refresh=False)
+                        if time.time() - bar.last_print_t >= bar.mininterval:  # in a log every 30 s (it was each tick)
+                            bar.refresh()
                     continue
                 index, result = got
                 for p, choice in owners[index]:

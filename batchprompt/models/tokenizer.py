@@ -125,9 +125,9 @@ class Tokenizer:
             self._max_token_bytes = max(most, 1)
         return self._max_token_bytes
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         with self._lock:
-            return self.hf.decode(list(ids), skip_special_tokens=True)
+            return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """One token as log-probs name it: its text, and a special token's own (`<|im_end|>`, as

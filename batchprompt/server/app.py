@@ -1,7 +1,8 @@
 """create_app: the FastAPI app of `batchprompt serve`.
 
 Routes live in routes_*.py, one file per family, each an APIRouter included here: the health
-routes, OpenAI's completions and chat, the batch endpoints, and OpenAI's Files and Batch API.
+routes, OpenAI's completions and chat, vLLM's tokenizer routes, the batch endpoints, and
+OpenAI's Files and Batch API.
 Middleware, outermost first: metrics (and each answer's X-Request-Id), CORS (with
 --allowed-origins), the API key (every /v1 route), the body size limit."""
 from __future__ import annotations
@@ -12,7 +13,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from . import routes_batch, routes_batch_api, routes_files, routes_health, routes_openai
+from . import routes_batch, routes_batch_api, routes_files, routes_health, routes_openai, routes_tokens
 from .config import ServerConfig
 from .errors import install_handlers
 from .metrics import Metrics
@@ -41,7 +42,7 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
     app.openapi = lambda: openapi_schema(app, api_key=config.api_key is not None)
     app.state.server = state
     app.state.metrics = metrics = Metrics(state)
-    modules = (routes_health, routes_openai, routes_batch, routes_files, routes_batch_api)
+    modules = (routes_health, routes_openai, routes_tokens, routes_batch, routes_files, routes_batch_api)
     for module in modules:
         app.include_router(module.router)
     install_handlers(app)

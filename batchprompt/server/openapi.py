@@ -15,7 +15,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from ..jobs.bodies import ChatRequest, CompletionRequest
-from .schemas import BatchCreate, BatchRequest
+from .schemas import BatchCreate, BatchRequest, DetokenizeRequest, TokenizeRequest
 
 _REF = "#/components/schemas/{model}"
 
@@ -26,6 +26,8 @@ BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("post", "/v1/batch/sync"): BatchRequest,
     ("post", "/v1/batch/async"): BatchRequest,
     ("post", "/v1/batches"): BatchCreate,
+    ("post", "/tokenize"): TokenizeRequest,
+    ("post", "/detokenize"): DetokenizeRequest,
 }
 
 _AFTER = {"name": "after", "in": "query", "required": False, "schema": {"type": "string"},
@@ -72,7 +74,7 @@ def openapi_schema(app: FastAPI, api_key: bool = False) -> dict[str, Any]:
     """The document for `app` (computed once, then kept on the app, as FastAPI does)."""
     if app.openapi_schema is not None:
         return app.openapi_schema
-    doc = get_openapi(title="batchprompt", version=_version(), routes=app.routes,
+    doc = get_openapi(title="batchprompt", version=package_version(), routes=app.routes,
                       description="OpenAI-compatible: the bodies are OpenAI's (and vLLM's extra fields); "
                                   "every error is {\"error\": {message, type, param, code}}.")
     components = doc.setdefault("components", {})
@@ -114,7 +116,7 @@ def _model_schema(model: type[BaseModel], schemas: dict[str, Any]) -> dict[str, 
     return {"$ref": _REF.format(model=model.__name__)}
 
 
-def _version() -> str:
+def package_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:

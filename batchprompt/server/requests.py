@@ -86,6 +86,14 @@ def plan_row(row: Row, tokenizer, max_model_len: int) -> list[Prepared]:
     return _choices([ids], params, n, spec)
 
 
+def prompt_ids(body: dict, tokenizer) -> list[int]:
+    """A /tokenize body's token ids: its `prompt` as a completion's, or its `messages` as a chat's
+    (with the chat template's fields), rendered as those endpoints render them, with no limit."""
+    url = CHAT if body.get("messages") is not None else COMPLETION
+    fields = {k: v for k, v in body.items() if k != "return_token_strs"}  # /tokenize's own
+    return _render(_row(url, fields, "tokenize"), tokenizer, None)
+
+
 def refuse_unsupported(body: dict) -> dict:
     """The body to plan, or ApiError naming a field this server cannot honour."""
     with _refusal_as_400():

@@ -57,6 +57,27 @@ async def read_json(request: Request, schema: Type[BaseModel]) -> dict[str, Any]
     return obj
 
 
+class TokenizeRequest(StrictBody):
+    """POST /tokenize, as vLLM's: a completion's `prompt`, or chat `messages` with the chat
+    template's fields."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Any] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = None
+
+
+class DetokenizeRequest(StrictBody):
+    """POST /detokenize, as vLLM's: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 class BatchCreate(StrictBody):
     """POST /v1/batches (OpenAI's fields, and only those: a misspelt one is a 400, not ignored)."""
 

@@ -140,6 +140,8 @@ def test_an_engine_a_session_steps_runs_another_threads_generate_and_refuses_its
         engine32.add_request("hi", greedy)
     with pytest.raises(RuntimeError, match=r"step\(\) from another thread"):
         engine32.step()
+    with pytest.raises(RuntimeError, match=r"abort\(\) from another thread"):  # it failed the session's prompts
+        engine32.abort("engine-0-1")
     lm.destroy()
     with pytest.raises(RuntimeError, match=r"close\(\) its last session, or bp.shutdown\(engine\)"):
         engine32.add_request("hi", greedy)  # its thread is still there, idle: it would step this request
@@ -150,3 +152,11 @@ def test_an_engine_a_session_steps_runs_another_threads_generate_and_refuses_its
     while engine32.has_unfinished():
         done += engine32.step()
     assert [o.request_id for o in done] == [rid] and done[0].output_token_ids == alone
+    # A request of the caller's own still in the engine when a session takes it: the session's
+    # thread stepped it and dropped its output (the caller's step() never saw it).
+    rid = engine32.add_request("Tell me about 1", greedy)
+    with pytest.raises(RuntimeError, match="requests of its own in progress"):
+        bp.LanguageModel.create(model=engine32)
+    assert engine32.abort(rid)
+    engine32.step()
+    assert not engine32.has_unfinished()

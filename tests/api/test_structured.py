@@ -256,6 +256,16 @@ def test_a_true_schema_is_any_json_value(options):
     assert OutputSpec.from_options(**options).grammar == OutputSpec.from_options(json_schema={}).grammar
 
 
+@pytest.mark.parametrize("options", [{"regex": r"<\|im_end\|>"}, {"grammar": 'start: "<|im_end|>" "!"'}])
+def test_a_grammar_that_forces_a_special_tokens_text_says_so(lm, options):
+    """llguidance offers the special token for such text, then refuses it: the error was its own
+    ("refused token 2: Parser Error: token "\ufffd[2]" doesn't satisfy the grammar; forced bytes")."""
+    r = lm.batch_prompt(["hi"], max_tokens=8, **options)[0]
+    assert r.finish_reason == "error"
+    assert "asks for the text '<|im_end|>', which is the model's special token 2" in r.error, r.error
+    assert "Parser Error" not in r.error
+
+
 def test_a_dict_schema_admits_only_its_properties(engine32, messages):
     """A plain dict schema (no additionalProperties) gets no extra keys, so the answers end.
     (With extra keys allowed, this model invents "message", "body", ... on most of these and

@@ -369,6 +369,31 @@ def test_what_vllm_takes_is_taken(server):
         assert r.status_code == 422 and error_of(r)["param"] == "max_tokens", r.text
 
 
+def test_vllms_tokenize_detokenize_and_version_routes(server):
+    """vLLM's /tokenize, /detokenize and /version were 404s. /tokenize renders a prompt or chat
+    messages as the endpoints render them: its ids are those a request's prompt counts."""
+    hi = [{"role": "user", "content": "hi"}]
+    with server.client() as c:
+        chat = c.post("/tokenize", json={"messages": hi, "return_token_strs": True}).json()
+        answer = c.post("/v1/chat/completions", json={"messages": hi, "max_tokens": 1}).json()
+        assert chat["count"] == len(chat["tokens"]) == answer["usage"]["prompt_tokens"]
+        assert chat["max_model_len"] == 8192 and len(chat["token_strs"]) == chat["count"]
+        text = c.post("/tokenize", json={"prompt": "Hello world"}).json()
+        assert text["token_strs"] is None
+        assert c.post("/detokenize", json={"tokens": text["tokens"]}).json() == {"prompt": "Hello world"}
+        back = c.post("/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
+        assert back.startswith("<|im_start|>") and back.endswith("<|im_start|>assistant\n")  # as vLLM's: specials kept
+        assert c.get("/version").json()["version"]
+        for path, body, status, param in (("/tokenize", {}, 400, "prompt"),
+                                          ("/tokenize", {"prompt": "a", "messages": hi}, 400, "prompt"),
+                                          ("/tokenize", {"prompt": 5}, 422, "prompt"),
+                                          ("/tokenize", {"prompt": "a", "model": "gpt-4o"}, 404, "model"),
+                                          ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+                                          ("/detokenize", {"tokens": "abc"}, 422, "tokens")):
+            r = c.post(path, json=body)
+            assert (r.status_code, error_of(r)["param"]) == (status, param), (path, body, r.text)
+
+
 def test_unknown_fields_are_ignored_and_named_once_in_the_log(server):
     """As vLLM: a field no API knows is ignored and named in the log (it was ignored silently,
     while the Batch API's own endpoints refuse theirs, as OpenAI does)."""

@@ -77,6 +77,12 @@ def test_max_tokens_beyond_the_context_names_the_field_given(tokenizer, field):
     assert e.value.param == field, e.value.message
 
 
+def test_guided_json_true_is_any_json_value(tokenizer):
+    # A 422 invalid_type, where structured_outputs {"json": true} and guided_json "true" were taken.
+    grammar = plan_chat({"messages": M, "guided_json": True}, tokenizer, 8192).prepared[0].params.grammar
+    assert grammar == plan_chat({"messages": M, "guided_json": {}}, tokenizer, 8192).prepared[0].params.grammar
+
+
 def test_structured_outputs_json_object_asks_for_a_json_object(tokenizer):
     plan = plan_chat({"messages": M, "structured_outputs": {"json_object": True, "disable_fallback": True}},
                      tokenizer, 8192)
