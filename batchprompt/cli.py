@@ -395,11 +395,11 @@ def _structured_options(args: argparse.Namespace) -> dict:
         opts["regex"] = args.regex
     if args.json_schema is not None:
         source = args.json_schema
-        if not source.lstrip().startswith("{"):
+        if not source.lstrip().startswith("{") and source.strip() not in ("true", "false"):  # JSON Schema's booleans
             try:
                 source = Path(source).read_text()
             except OSError as e:
-                try:  # inline JSON that is not an object: `true`, `[]` said "No such file or directory"
+                try:  # inline JSON that is not an object: `[]` said "No such file or directory"
                     json.loads(source)
                 except ValueError:
                     raise ValueError(f"--json-schema {args.json_schema}: cannot read it ({e.strerror}); "

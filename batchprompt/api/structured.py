@@ -209,6 +209,10 @@ def _checked_schema(option: str, schema: Any) -> Grammar:
     try:
         return _checked(option, grammar)
     except ValueError as e:
+        if "Unimplemented keys" in str(e) or "Unknown format" in str(e):  # (a pydantic set[str], bytes)
+            raise ValueError(f'{e}; the grammar engine cannot enforce it: remove it from the schema, or give the '
+                             f'schema "x-guidance": {{"lenient": true}} to have it ignored (answers may then not '
+                             f'meet it)') from None
         if grammar_problem(Grammar.json_schema(schema, JSON_DEFAULTS, close=False)) is not None:
             raise
         raise ValueError(f'{e}; that is after batchprompt closed its objects ("additionalProperties": false on '

@@ -150,11 +150,12 @@ def _n_rows(n: int) -> str:
 
 
 def fingerprint(raw: bytes, opts: JobOptions,
-                rows: list[Row] | None = None) -> tuple[str, dict[str, object], tuple[str, str]]:
+                rows: list[Row] | None = None) -> tuple[str, dict[str, object], tuple[str, str, str]]:
     """The job's fingerprint (its input and the options that change its answers), the same by
     the names a user knows (kept in the journal so that a mismatch names what changed), and the
     fingerprints that journals of jobs begun by earlier versions have: with every option counted
-    (before the rule below), and with --system always counted (before it joined the rule).
+    (before the rule below), with --system always counted (before it joined the rule), and with a
+    --json-schema's keys sorted.
 
     Given the input's `rows`, a default that no row takes counts as not given: --max-tokens
     where every row sets its own, --temperature likewise, --seed where every row sets its own or
@@ -176,9 +177,10 @@ def fingerprint(raw: bytes, opts: JobOptions,
     raw_hash = hashlib.sha256(raw)  # once: the input may be large
     settings = _settings(opts, max_tokens, temperature, seed, system)
     named = {"the input file (sha256)": raw_hash.hexdigest()[:16], **dict(settings)}
-    return (_hashed(raw_hash, settings), named,
+    return (_hashed(raw_hash, settings, schema_order=True), named,
             (_hashed(raw_hash, _settings(opts, opts.max_tokens, opts.temperature, opts.seed, opts.system)),
-             _hashed(raw_hash, _settings(opts, max_tokens, temperature, seed, opts.system))))
+             _hashed(raw_hash, _settings(opts, max_tokens, temperature, seed, opts.system)),
+             _hashed(raw_hash, settings)))
 
 
 def _settings(opts: JobOptions, max_tokens, temperature, seed, system) -> list[tuple[str, object]]:
@@ -193,9 +195,15 @@ def _settings(opts: JobOptions, max_tokens, temperature, seed, system) -> list[t
     return settings
 
 
-def _hashed(raw_hash, settings: list[tuple[str, object]]) -> str:
+def _hashed(raw_hash, settings: list[tuple[str, object]], schema_order: bool = False) -> str:
+    """`schema_order`: a --json-schema counts with its properties in their order, which the answers
+    keep (sorted, as journals of earlier versions have it, a reordered schema resumed the job)."""
+    values = [value for _, value in settings]
+    if schema_order:
+        values = [{**v, "json_schema": json.dumps(v["json_schema"])}
+                  if isinstance(v, dict) and isinstance(v.get("json_schema"), dict) else v for v in values]
     h = raw_hash.copy()
-    h.update(json.dumps([value for _, value in settings], sort_keys=True).encode())
+    h.update(json.dumps(values, sort_keys=True).encode())
     return h.hexdigest()
 
 

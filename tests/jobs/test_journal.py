@@ -247,3 +247,30 @@ def test_a_journal_begun_under_the_older_fingerprint_is_taken_over(tmp_path):
     with pytest.raises(JournalMismatch):
         Journal(path, "other", legacy="old")
     assert Journal(path, "newer", legacy=("older", "new")).done_lines() == {1}  # any of several
+
+
+def test_a_json_schema_with_its_properties_reordered_is_another_job(tmp_path):
+    """The answers keep a schema's property order, but the fingerprint sorted its keys: a job
+    rerun with the properties reordered said "already complete" and kept the old order. A journal
+    begun under the sorted fingerprint (earlier versions) still resumes."""
+    from batchprompt.jobs.rows import read_input
+    from batchprompt.jobs.run import JobOptions, fingerprint
+
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    table = read_input(str(tmp_path / "in.jsonl"))
+    ab = {"type": "object", "properties": {"a": {"enum": ["x"]}, "b": {"enum": ["y"]}}, "required": ["a", "b"]}
+    ba = {"type": "object", "properties": {"b": {"enum": ["y"]}, "a": {"enum": ["x"]}}, "required": ["a", "b"]}
+
+    def fp(schema):
+        return fingerprint(table.raw, JobOptions("in", "out", structured={"json_schema": schema}), table.rows)
+
+    (first, _, first_legacy), (second, _, second_legacy) = fp(ab), fp(ba)
+    assert first != second and second not in first_legacy
+    assert first_legacy[-1] == second_legacy[-1]  # the sorted form: what an earlier version's journal holds
+    path = tmp_path / "j.sqlite"
+    j = Journal(path, first_legacy[-1])  # begun by an earlier version
+    j.record(1, "line-1", True, {"x": 1})
+    j.close()
+    assert Journal(path, first, legacy=first_legacy).done_lines() == {1}
+    with pytest.raises(JournalMismatch):
+        Journal(path, second, legacy=second_legacy)

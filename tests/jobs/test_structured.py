@@ -82,9 +82,12 @@ def test_bad_structured_flags_stop_before_any_work(tmp_path, capsys, monkeypatch
     assert "at least one label" in capsys.readouterr().err
     assert main(["run", str(inp), "-o", str(out), "--json-schema", str(tmp_path / "missing.json")]) == 2
     assert "missing.json" in capsys.readouterr().err
-    for inline in ("true", "[]"):  # JSON, not an object: it said "cannot read it (No such file or directory)"
+    for inline in ("[]", "5"):  # JSON, not an object: it said "cannot read it (No such file or directory)"
         assert main(["run", str(inp), "-o", str(out), "--json-schema", inline]) == 2
         assert f"--json-schema {inline}: a JSON schema is a JSON object" in capsys.readouterr().err
+    # JSON Schema's booleans, as the Python API and a row's body take them: false matches nothing.
+    assert main(["run", str(inp), "-o", str(out), "--json-schema", "false"]) == 2
+    assert "`false`, which no JSON value matches" in capsys.readouterr().err
     assert main(["run", str(inp), "-o", str(out), "--choices", "a,b", "--regex", "x"]) == 2
     assert "one structured-output option" in capsys.readouterr().err
     # Nested 900 and 100,000 levels: a RecursionError's traceback and exit 1 (from the schema's
