@@ -51,8 +51,14 @@ class Journal:
         except OSError as e:
             raise StorageError.from_os(self.path, e) from None
         try:
-            self.db = (sqlite3.connect(self.path.resolve().as_uri() + "?mode=ro", uri=True, isolation_level=None)
-                       if read_only else sqlite3.connect(str(self.path), isolation_level=None))
+            if read_only:
+                # Without a -wal beside it every row is in the file itself: read it as immutable, so
+                # that SQLite makes no -wal and -shm beside it (a dry run left them behind).
+                settled = not Path(f"{self.path}-wal").exists()
+                uri = self.path.resolve().as_uri() + ("?immutable=1" if settled else "?mode=ro")
+                self.db = sqlite3.connect(uri, uri=True, isolation_level=None)
+            else:
+                self.db = sqlite3.connect(str(self.path), isolation_level=None)
         except sqlite3.OperationalError as e:
             raise StorageError.from_sqlite(self.path, e) from None
         self._check_is_a_journal()

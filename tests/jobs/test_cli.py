@@ -441,8 +441,10 @@ def test_a_dry_run_reads_the_jobs_journal_as_the_run_would(tmp_path, capsys):
     write_sms_batch(inp, 8)
     args = ["run", str(inp), "-o", str(out), "--max-tokens", "2", "--no-progress"]
     assert main(args) == 0
-    with sqlite3.connect(f"{out}.journal") as db:  # as a run killed after its first 5 rows
-        db.execute("DELETE FROM rows WHERE line > 5")
+    db = sqlite3.connect(f"{out}.journal")  # as a run killed after its first 5 rows
+    db.execute("DELETE FROM rows WHERE line > 5")
+    db.commit()
+    db.close()
     before = (tmp_path / "o.jsonl.journal").read_bytes()
     capsys.readouterr()
     assert main(args + ["--dry-run"]) == 0
@@ -454,6 +456,7 @@ def test_a_dry_run_reads_the_jobs_journal_as_the_run_would(tmp_path, capsys):
     assert main(args + ["--dry-run", "--temperature", "0.5", "--restart"]) == 0  # the restart would run them all
     assert "dry run: 8 rows (0 that cannot run), " in capsys.readouterr().err
     assert (tmp_path / "o.jsonl.journal").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.glob("o.jsonl.journal*")) == ["o.jsonl.journal"]  # no -wal, -shm left
 
 
 @pytest.mark.slow
