@@ -106,8 +106,9 @@ class JobSummary:
                 f"{f' ({self.resumed} from an earlier run)' if self.resumed else ''}{self._left()}; "
                 f"{self.prompt_tokens:,} prompt and {self.completion_tokens:,} generated tokens")
         if not self.run_rows:  # nothing computed now: no rate to give
+            # A first run whose every row failed as it was read has nothing in a journal to speak of.
             what = ("nothing finished in this run" if self.interrupted else "outputs written from the journal"
-                    if self.resumed else "no row reached the model")  # a first run whose every row failed as it was read
+                    if self.resumed else "no row reached the model")
             return f"{head}; {what}"
         # The rate is this run's tokens over this run's time: resumed rows took no time now.
         rate = self.run_completion_tokens / self.seconds if self.seconds else 0.0

@@ -238,7 +238,8 @@ def test_a_rejected_schema_fails_its_call_before_any_work(lm, messages):
      "json_schema.strict must be true or false, got 'yes'"),
     # A keyword llguidance cannot enforce (a pydantic set[str]'s uniqueItems): how to go on, not only what
     ({"json_schema": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
-     r'Unimplemented keys: \["uniqueItems"\]; the grammar engine cannot enforce it: .*"x-guidance": \{"lenient": true\}'),
+     r'Unimplemented keys: \["uniqueItems"\]; the grammar engine cannot enforce it: .*'
+     r'"x-guidance": \{"lenient": true\}'),
     # JSON Schema's `false` matches nothing (it said "must be a dict", and a response_format one
     # "its schema is bool, not a JSON object")
     ({"json_schema": False}, "`false`, which no JSON value matches"),

@@ -117,8 +117,9 @@ def test_an_unsupported_field_is_shown_as_json():
     assert e.value.message == "echo: true: batchprompt does not support it; leave it out"
 
 
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+                                           "parameters": WEATHER}}]
 
 
 def test_tools_with_tool_choice_none_reach_the_chat_template_as_in_vllm():
