@@ -62,5 +62,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, float] = field(default_factory=dict)
     # Prompt-token log-probs asked through score_targets: request id -> [(token index, log-prob)].
     prompt_logprobs: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    # With params.prompt_top_logprobs k: request id -> [(token index, the k most likely (id, log-prob))].
+    prompt_top: dict[str, list[tuple[int, list[tuple[int, float]]]]] = field(default_factory=dict)
     # For scoring requests: the log-prob of each candidate's first token after the prompt.
     choice_logprobs: dict[str, list[float]] = field(default_factory=dict)

@@ -31,7 +31,8 @@ def to_result(index: int, out: RequestOutput, spec: OutputSpec | None = None, as
         usage=Usage(len(out.prompt_token_ids), len(out.output_token_ids), out.num_cached_tokens),
         error=(out.error or "cancelled before it finished") if cancelled else out.error,
         logprobs=out.logprobs, top_logprobs=out.top_logprobs, token_ids=out.output_token_ids,
-        retryable=out.retryable, stop_reason=out.stop_reason,
+        retryable=out.retryable, stop_reason=out.stop_reason, prompt_token_ids=list(out.prompt_token_ids),
+        prompt_logprobs=out.prompt_logprobs, prompt_top_logprobs=out.prompt_top_logprobs,
     )
     if spec is None:
         return result

@@ -41,6 +41,11 @@ class Result:
     # The stop string or stop token id that ended the text (as vLLM's stop_reason); None when
     # EOS, max_tokens or anything else ended it.
     stop_reason: str | int | None = None
+    # The prompt's tokens, and (where asked: a completion's echo with logprobs) the log-prob of
+    # each after the first, and their top ones.
+    prompt_token_ids: list[int] = field(default_factory=list, repr=False)
+    prompt_logprobs: list[float] | None = field(default=None, repr=False)
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = field(default=None, repr=False)
 
     @property
     def ok(self) -> bool:

@@ -416,6 +416,8 @@ class LLMEngine:
         decode_chunks = 0
         for rid, pairs in out.prompt_logprobs.items():
             self._requests[rid].prompt_logprobs.update(pairs)
+        for rid, tops in out.prompt_top.items():
+            self._requests[rid].prompt_top.update(tops)
         for req in self.scheduler.advance(sched):
             if req.num_tokens > req.num_prompt_tokens:
                 decode_chunks += 1
@@ -515,6 +517,7 @@ class LLMEngine:
             merged.sampled.update(out.sampled)
             merged.logprobs.update(out.logprobs)
             merged.prompt_logprobs.update(out.prompt_logprobs)
+            merged.prompt_top.update(out.prompt_top)
             merged.choice_logprobs.update(out.choice_logprobs)
         # A scoring candidate that failed fails its whole request: its siblings' chunks are dropped.
         ran = [c for c in ran if c.request_id in self._requests and not self._requests[c.request_id].is_finished]
@@ -556,6 +559,7 @@ class LLMEngine:
             top_logprobs=list(req.top_logprobs) if req.params.top_logprobs else None,
             num_cached_tokens=cached, num_preemptions=req.num_preemptions,
             prompt_logprobs=self._prompt_logprobs(req),
+            prompt_top_logprobs=self._prompt_tops(req),
             choice_logprobs=list(req.choice_logprobs) if req.params.score_choices and req.error is None else None,
             grammar_complete=self._grammar_complete(req, text if cut_char else None),
             stop_reason=req.stop_reason if req.finish_reason == "stop" else None,
@@ -585,6 +589,13 @@ class LLMEngine:
         if first is None or req.error is not None:
             return None
         return [req.prompt_logprobs[p] for p in range(first, req.num_prompt_tokens)]
+
+    @staticmethod
+    def _prompt_tops(req: Request) -> list[list[tuple[int, float]]] | None:
+        first = req.params.prompt_logprobs_from
+        if first is None or not req.params.prompt_top_logprobs or req.error is not None:
+            return None
+        return [req.prompt_top[p] for p in range(first, req.num_prompt_tokens)]
 
     @property
     def stats(self) -> EngineStats:

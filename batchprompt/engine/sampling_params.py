@@ -54,6 +54,7 @@ class SamplingParams:
     grammar: Grammar | None = None
     score_choices: tuple[tuple[int, ...], ...] = ()
     prompt_logprobs_from: int | None = None
+    prompt_top_logprobs: int = 0  # with prompt_logprobs_from: the k most likely tokens at each of those positions
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -143,6 +144,9 @@ class SamplingParams:
                "give either a grammar or score_choices, not both")
         _check(self.prompt_logprobs_from is None or self.prompt_logprobs_from >= 1,
                "prompt_logprobs_from must be >= 1 (the first token has no log-prob)")
+        _check(_is_int(self.prompt_top_logprobs) and 0 <= self.prompt_top_logprobs <= MAX_TOP_LOGPROBS
+               and (not self.prompt_top_logprobs or self.prompt_logprobs_from is not None),
+               f"prompt_top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, with prompt_logprobs_from")
         _check(not (self.score_choices and self.num_samples > 1),  # it named score_choices, a field of ours
                "n and best_of do not apply to choice_mode='score': each label's probability is computed once; "
                "leave them out, or use choice_mode='decode' to sample")

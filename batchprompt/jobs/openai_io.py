@@ -56,11 +56,12 @@ class TokenPieces:
 
     text: Callable[[int], str]
     bytes: Callable[[int], bytes] | None = None
+    decode: Callable[[list[int]], str] | None = None  # a prompt given as token ids, as text (echo)
 
     @classmethod
     def of(cls, tokenizer) -> "TokenPieces":
         text = getattr(tokenizer, "token_text", None) or (lambda t: tokenizer.decode([t]))
-        return cls(text, getattr(tokenizer, "token_bytes", None))
+        return cls(text, getattr(tokenizer, "token_bytes", None), getattr(tokenizer, "decode", None))
 
 
 def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
@@ -92,6 +93,8 @@ def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
         choice = {"index": i, "text": r.text, "finish_reason": FINISH.get(r.finish_reason, "stop"), "logprobs": None}
         if r.logprobs is not None:
             choice["logprobs"] = completion_logprobs(r.token_ids, r.logprobs, _tops(r), pieces)
+        if row.body.get("echo") is True:
+            choice = _echoed(choice, row, r, pieces)
         out.append(_with_extras(choice, r, with_ids))
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": out, "usage": usage}
@@ -114,7 +117,8 @@ def token_pieces(row: Row, token_text: Callable[[int], str] | TokenPieces) -> To
     """How the row's log-probs name tokens: `token_text`, or vLLM's "token_id:123" where the body
     asks (return_tokens_as_token_ids)."""
     if row.body.get("return_tokens_as_token_ids"):
-        return TokenPieces(lambda t: f"token_id:{t}")
+        decode = token_text.decode if isinstance(token_text, TokenPieces) else None
+        return TokenPieces(lambda t: f"token_id:{t}", decode=decode)
     return token_text if isinstance(token_text, TokenPieces) else TokenPieces(token_text)
 
 
@@ -139,6 +143,31 @@ def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[float], top
             "top_logprobs": _completion_tops(tokens, logprobs, tops, pieces), "text_offset": offsets}
 
 
+def _echoed(choice: dict[str, Any], row: Row, r: Result, pieces: TokenPieces) -> dict[str, Any]:
+    """A completion choice with its prompt first (echo), as vLLM answers it: the prompt's text
+    before the answer's, and with logprobs its tokens first, the first of them with none (null)."""
+    ids = list(r.prompt_token_ids)
+    if isinstance(row.prompt, str):
+        prompt = row.prompt
+    elif pieces.decode is not None:
+        prompt = pieces.decode(ids)
+    else:
+        prompt = "".join(map(pieces.text, ids))
+    choice = {**choice, "text": prompt + choice["text"]}
+    if choice["logprobs"] is None or not ids:
+        return choice
+    values = [None, *(r.prompt_logprobs or [None] * (len(ids) - 1))]
+    tops = [None, *r.prompt_top_logprobs] if r.prompt_top_logprobs else None
+    echoed = completion_logprobs(ids, values, tops, pieces)
+    answer = choice["logprobs"]
+    offset = sum(map(len, echoed["tokens"]))
+    return {**choice, "logprobs": {
+        "tokens": echoed["tokens"] + answer["tokens"],
+        "token_logprobs": echoed["token_logprobs"] + answer["token_logprobs"],
+        "top_logprobs": echoed["top_logprobs"] + answer["top_logprobs"],
+        "text_offset": echoed["text_offset"] + [offset + o for o in answer["text_offset"]]}}
+
+
 def _chat_token(tid: int, logprob: float, pieces: TokenPieces) -> dict[str, Any]:
     t = pieces.text(tid)
     raw = pieces.bytes(tid) if pieces.bytes is not None else t.encode("utf-8", "surrogatepass")
@@ -151,8 +180,11 @@ def _completion_tops(tokens: list[str], logprobs: Sequence[float], tops: Sequenc
     most likely tokens and the chosen one (up to logprobs + 1 entries; `logprobs: 0` gives the
     chosen token alone), whether or not it was among them."""
     tops = tops or [()] * len(tokens)
-    out = []
+    out: list = []
     for token, logprob, pos in zip(tokens, logprobs, tops):
+        if logprob is None:  # an echoed prompt's first token: no log-prob, and no alternatives (vLLM's null)
+            out.append(None)
+            continue
         step = {pieces.text(t): v for t, v in pos}
         step.setdefault(token, logprob)
         out.append(step)

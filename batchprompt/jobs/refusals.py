@@ -11,7 +11,6 @@ from .rows import max_tokens_field
 #: field -> is the value a no-op? (The sampling options, from presence_penalty to best_of and
 #: top_logprobs, go to the engine through run.row_params.)
 _NOOP = {
-    "echo": lambda v: not v,
     "suffix": lambda v: v in (None, ""),
     "tools": lambda v: not v,
     "functions": lambda v: not v,
@@ -59,6 +58,14 @@ def refuse_unsupported(body: dict) -> dict:
                     'answers in text)' if name == "tools" else "")
             raise Refused(f"{name}: {shown(body[name])}: batchprompt does not support it; leave it out{hint}",
                           "unsupported_parameter", name)
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise Refused(f"echo must be true or false, got {shown(echo)}", "invalid_value", "echo")
+    if echo and "messages" in body:
+        raise Refused("echo: true: batchprompt echoes a completion's prompt, not a chat's messages; leave it out",
+                      "unsupported_parameter", "echo")
+    if echo and body.get("stream"):
+        raise Refused("echo cannot be streamed here: leave out stream or echo", "unsupported_parameter", "echo")
     if body.get("stream_options") is not None and not body.get("stream"):
         raise Refused("stream_options is only allowed with stream: true", "invalid_parameter", "stream_options")
     _check_template_fields(body)

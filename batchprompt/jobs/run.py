@@ -383,6 +383,8 @@ def row_params(row: Row, opts: JobOptions) -> tuple[SamplingParams, int]:
     if isinstance(best_of, int) and best_of > 1 and n > 1:
         raise ValueError(f"best_of other than n is supported only with n = 1 (got n={n}, best_of={best_of}): "
                          f"give n alone, or best_of with n = 1")
+    if row.url == COMPLETION and b.get("echo") is True and logprobs:  # the prompt's tokens' log-probs too,
+        extra.update(prompt_logprobs_from=1, prompt_top_logprobs=top)  # as vLLM answers echo (lm-eval's loglikelihood)
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=_given(b.get("top_p"), 1.0),
         seed=seed, stop=stop, logprobs=logprobs, top_logprobs=top, **extra)

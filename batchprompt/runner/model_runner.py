@@ -54,6 +54,21 @@ class ModelRunner:
         another step's `pause` must not: growing replaces the tensors under the outer step)."""
         return sched.num_blocks <= self.kv.capacity_blocks
 
+    @staticmethod
+    def _prompt_tops(sched: SchedulerOutput, inputs, logits: torch.Tensor, norm: torch.Tensor,
+                     out: ModelRunnerOutput) -> None:
+        """The k most likely tokens at each scored prompt position of the requests that ask
+        (prompt_top_logprobs: an echoed prompt's top_logprobs)."""
+        asked = {c.request_id: c.params.prompt_top_logprobs for c in sched.chunks if c.params.prompt_top_logprobs}
+        if not asked:
+            return
+        values, ids = torch.topk(logits.float(), max(asked.values()), dim=-1)
+        values, ids = (values - norm[:, None]).tolist(), ids.tolist()
+        for row, (rid, pos) in enumerate(inputs.score_owners):
+            k = asked.get(rid)
+            if k:
+                out.prompt_top.setdefault(rid, []).append((pos, list(zip(ids[row][:k], values[row][:k]))))
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, pause: Callable[[], None] | None = None) -> ModelRunnerOutput:
         """Run one step. `pause` is called between the model's layers (see LlamaModel.forward)."""
@@ -73,9 +88,11 @@ class ModelRunner:
         # the vocabulary, from the logits as computed (it cancels between labels at one position).
         if inputs.score_index is not None:
             exact = self.model.token_logits(picked_hidden[n:], inputs.score_tokens)
-            picked = (exact - torch.logsumexp(logits[n:].float(), dim=-1)).tolist()
+            norm = torch.logsumexp(logits[n:].float(), dim=-1)
+            picked = (exact - norm).tolist()
             for (rid, pos), v in zip(inputs.score_owners, picked):
                 out.prompt_logprobs.setdefault(rid, []).append((pos, v))
+            self._prompt_tops(sched, inputs, logits[n:], norm, out)
         if not n:
             return out
         chunks = inputs.sampling_chunks

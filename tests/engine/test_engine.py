@@ -65,6 +65,25 @@ def test_greedy_tokens_follow_reference_logits(tiny_model):
         seq.append(tok)
 
 
+def test_prompt_log_probs_and_their_top_ones_follow_reference_logits(tiny_model):
+    """A completion's echo with logprobs (lm-eval's loglikelihood) needs each prompt token's
+    log-prob and, at each position, the most likely tokens: checked against the full forward,
+    with a prompt long enough to be prefilled in chunks."""
+    p = prompts(1, shared=30)[0]
+    out = engine(tiny_model, max_num_batched_tokens=16).generate(
+        [p], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs_from=1, prompt_top_logprobs=3))[0]
+    reference = torch.log_softmax(full_logits(tiny_model, p), -1)
+    assert len(out.prompt_logprobs) == len(out.prompt_top_logprobs) == len(p) - 1
+    for pos in range(1, len(p)):
+        expected = reference[pos - 1]
+        assert out.prompt_logprobs[pos - 1] == pytest.approx(float(expected[p[pos]]), abs=1e-4)
+        values, ids = torch.topk(expected, 3)
+        assert [t for t, _ in out.prompt_top_logprobs[pos - 1]] == ids.tolist()
+        assert [v for _, v in out.prompt_top_logprobs[pos - 1]] == pytest.approx(values.tolist(), abs=1e-4)
+    with pytest.raises(ValueError, match="prompt_top_logprobs must be an integer from 0 to 20, with prompt_logprobs"):
+        SamplingParams(prompt_top_logprobs=2)
+
+
 def test_seed_gives_same_output_whatever_the_batch(tiny_model):
     sp = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=20, seed=123, ignore_eos=True)
     ps = prompts(6)

@@ -369,6 +369,33 @@ def test_what_vllm_takes_is_taken(server):
         assert r.status_code == 422 and error_of(r)["param"] == "max_tokens", r.text
 
 
+def test_echo_with_logprobs_gives_the_prompts_log_probs_as_lm_eval_asks_them(server):
+    """lm-eval-harness's loglikelihood request to an OpenAI-compatible server (echo, logprobs 1,
+    max_tokens 1) was refused ("echo ... does not support it"). As vLLM: the prompt's text first,
+    its tokens' log-probs (the first null) and top ones, then the answer's."""
+    prompt = "The capital of France is Paris"
+    client = server.openai()
+    ids = server.client().post("/tokenize", json={"prompt": prompt}).json()["tokens"]
+    choices = [client.completions.create(model="smollm2-135m", prompt=given, max_tokens=1, temperature=0,
+                                         logprobs=1, echo=True).choices[0] for given in (prompt, ids)]
+    for choice in choices:
+        lp = choice.logprobs
+        assert choice.text.startswith(prompt)
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+        assert "".join(lp.tokens[:len(ids)]) == prompt
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(v <= 0 for v in lp.token_logprobs[1:])
+        assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])
+        assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    first, second = choices  # the prompt as text and as its token ids: the same numbers
+    assert first.logprobs.token_logprobs[1:] == pytest.approx(second.logprobs.token_logprobs[1:], abs=1e-6)
+    plain = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=2, temperature=0, echo=True)
+    assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
+    with server.client() as c:
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "echo": True})
+    assert (r.status_code, error_of(r)["param"]) == (400, "echo"), r.text
+
+
 def test_vllms_tokenize_detokenize_and_version_routes(server):
     """vLLM's /tokenize, /detokenize and /version were 404s. /tokenize renders a prompt or chat
     messages as the endpoints render them: its ids are those a request's prompt counts."""
@@ -428,7 +455,7 @@ def test_a_wrong_type_is_named_by_its_field_and_shown_as_json(server):
 
 
 @pytest.mark.parametrize("body, code", [
-    ({"prompt": "hi", "echo": True}, "unsupported_parameter"),
+    ({"prompt": "hi", "echo": True, "stream": True}, "unsupported_parameter"),
     ({"prompt": "hi", "logprobs": 21}, "invalid_parameter"),
     ({"prompt": []}, "invalid_prompt"),
     ({"prompt": ["ok", ""]}, "invalid_prompt"),

@@ -111,10 +111,10 @@ def test_chat_template_fields_change_the_prompt_as_in_vllm(tokenizer):
 
 
 def test_an_unsupported_field_is_shown_as_json():
-    # It showed Python's repr: echo=True, {'type': ...}.
+    # It showed Python's repr: use_beam_search=True, {'type': ...}.
     with pytest.raises(ApiError) as e:
-        plan_completion({"prompt": "hi", "echo": True}, None, 8192)
-    assert e.value.message == "echo: true: batchprompt does not support it; leave it out"
+        plan_completion({"prompt": "hi", "use_beam_search": True}, None, 8192)
+    assert e.value.message == "use_beam_search: true: batchprompt does not support it; leave it out"
 
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}}
