@@ -58,16 +58,24 @@ class ModelRunner:
     def _prompt_tops(sched: SchedulerOutput, inputs, logits: torch.Tensor, norm: torch.Tensor,
                      out: ModelRunnerOutput) -> None:
         """The k most likely tokens at each scored prompt position of the requests that ask
-        (prompt_top_logprobs: an echoed prompt's top_logprobs)."""
+        (prompt_top_logprobs: an echoed prompt's top_logprobs). Those requests' own prompt
+        log-probs are then read from the same logits, as a sampled token's are, so that a token
+        among its position's top ones has one value (the float32 product of the scoring path
+        differed from it by up to 0.06 in bfloat16)."""
         asked = {c.request_id: c.params.prompt_top_logprobs for c in sched.chunks if c.params.prompt_top_logprobs}
         if not asked:
             return
-        values, ids = torch.topk(logits.float(), max(asked.values()), dim=-1)
+        full = logits.float()
+        values, ids = torch.topk(full, max(asked.values()), dim=-1)
         values, ids = (values - norm[:, None]).tolist(), ids.tolist()
+        chosen = (full.gather(1, inputs.score_tokens[:, None]).squeeze(1) - norm).tolist()
+        own: dict[str, list[tuple[int, float]]] = {}
         for row, (rid, pos) in enumerate(inputs.score_owners):
             k = asked.get(rid)
             if k:
                 out.prompt_top.setdefault(rid, []).append((pos, list(zip(ids[row][:k], values[row][:k]))))
+                own.setdefault(rid, []).append((pos, chosen[row]))
+        out.prompt_logprobs.update(own)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, pause: Callable[[], None] | None = None) -> ModelRunnerOutput:
