@@ -9,6 +9,7 @@ later, by the code that uses them (SamplingParams, the job reader, OutputSpec), 
 messages (400)."""
 from __future__ import annotations
 
+import functools
 import json
 import types
 import typing
@@ -89,6 +90,7 @@ def whole_numbers(schema: Type[BaseModel], body: dict[str, Any]) -> dict[str, An
     return {**body, **whole} if whole else body
 
 
+@functools.cache  # per body model, not per body: a job's rows each ask
 def _integer_fields(schema: Type[BaseModel]) -> frozenset[str]:
     """The fields of `schema` that take an integer and no float (max_tokens, n, seed, ...)."""
     def takes_int(annotation) -> bool:

@@ -721,8 +721,7 @@ class JobRun:
         if not rows:  # nothing left to run: no model to load, nothing to time
             return JobSummary(rows=len(table.rows), failed=len(table.rows) - len(done), notes=table.notes(),
                               resumed=len(done), estimate_seconds=0.0)
-        service = get_backend(self.model_path, cluster=opts.cluster, device=opts.device, dtype=opts.dtype,
-                              engine_options=opts.engine_options)
+        service = self._load_backend()
         ready = [r for r in (self._ready(row, service) for row in rows) if isinstance(r, Ready)]
         summary = JobSummary(rows=len(table.rows), failed=len(table.rows) - len(done) - len(ready),
                              notes=table.notes(), prompt_tokens=sum(len(r.ids) for r in ready), resumed=len(done))

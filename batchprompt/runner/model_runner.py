@@ -63,18 +63,21 @@ class ModelRunner:
         among its position's top ones has one value (the float32 product of the scoring path
         differed from it by up to 0.06 in bfloat16)."""
         asked = {c.request_id: c.params.prompt_top_logprobs for c in sched.chunks if c.params.prompt_top_logprobs}
-        if not asked:
+        rows = [row for row, (rid, _) in enumerate(inputs.score_owners) if rid in asked]
+        if not rows:
             return
-        full = logits.float()
+        # Only the rows of those requests (a step's other scored rows, a choice's labels, need none).
+        index = torch.tensor(rows, device=logits.device)
+        full, base = logits.index_select(0, index).float(), norm.index_select(0, index)[:, None]
         values, ids = torch.topk(full, max(asked.values()), dim=-1)
-        values, ids = (values - norm[:, None]).tolist(), ids.tolist()
-        chosen = (full.gather(1, inputs.score_tokens[:, None]).squeeze(1) - norm).tolist()
+        values, ids = (values - base).tolist(), ids.tolist()
+        chosen = (full.gather(1, inputs.score_tokens.index_select(0, index)[:, None]) - base).squeeze(1).tolist()
         own: dict[str, list[tuple[int, float]]] = {}
-        for row, (rid, pos) in enumerate(inputs.score_owners):
-            k = asked.get(rid)
-            if k:
-                out.prompt_top.setdefault(rid, []).append((pos, list(zip(ids[row][:k], values[row][:k]))))
-                own.setdefault(rid, []).append((pos, chosen[row]))
+        for i, row in enumerate(rows):
+            rid, pos = inputs.score_owners[row]
+            k = asked[rid]
+            out.prompt_top.setdefault(rid, []).append((pos, list(zip(ids[i][:k], values[i][:k]))))
+            own.setdefault(rid, []).append((pos, chosen[i]))
         out.prompt_logprobs.update(own)
 
     @torch.inference_mode()
