@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 from ..api.result import Result
-from .rows import CHAT, Row, RowError
+from .rows import CHAT, Row, RowError, echo_only
 
 FINISH = {"stop": "stop", "length": "length"}
 
@@ -71,7 +71,8 @@ def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
     pieces = token_pieces(row, token_text)
     with_ids = bool(row.body.get("return_token_ids"))  # vLLM's: each choice's generated token ids
     prompt_tokens = choices[0].usage.prompt_tokens
-    completion = sum(r.usage.completion_tokens for r in choices)
+    alone = echo_only(row.body)  # the prompt alone: the token its prefill yielded is not the answer's
+    completion = 0 if alone else sum(r.usage.completion_tokens for r in choices)
     cached = choices[0].usage.cached_tokens
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
              "total_tokens": prompt_tokens + completion,
@@ -90,6 +91,9 @@ def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
                 "choices": out, "usage": usage, "system_fingerprint": None}
     out = []
     for i, r in enumerate(choices):
+        if alone:  # as vLLM: the prompt, finish_reason "length" (max_tokens 0 reached), no stop reason
+            r = replace(r, text="", token_ids=[], logprobs=None if r.logprobs is None else [], top_logprobs=None,
+                        finish_reason="length", stop_reason=None)
         choice = {"index": i, "text": r.text, "finish_reason": FINISH.get(r.finish_reason, "stop"), "logprobs": None}
         if r.logprobs is not None:
             choice["logprobs"] = completion_logprobs(r.token_ids, r.logprobs, _tops(r), pieces)

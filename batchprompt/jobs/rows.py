@@ -494,6 +494,12 @@ def max_tokens_field(body: dict) -> Any:
     return given if given is not None else body.get("max_tokens")
 
 
+def echo_only(body: dict) -> bool:
+    """A completion body that asks for its prompt alone (`echo: true` with max_tokens 0), which
+    OpenAI's completions and vLLM answer with the prompt (and its log-probs), generating nothing."""
+    return body.get("echo") is True and "messages" not in body and max_tokens_field(body) == 0
+
+
 def max_tokens_name(body: dict) -> str:
     """The field that `max_tokens_field` reads, for messages about it."""
     return "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -507,10 +513,12 @@ def _check_counts(body: dict) -> tuple[str, str] | None:
         v = body.get(name)
         if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_N):
             return name, f"{name} must be an integer from 1 to {MAX_N}, got {v!r}"
+    least = 0 if echo_only(body) else 1  # 0: the prompt alone
     for name in ("max_tokens", "max_completion_tokens"):
         v = body.get(name)
-        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
-            return name, f"{name} must be an integer >= 1, got {v!r}"
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= least):
+            hint = " (0 only with echo: true, for the prompt alone)" if v == 0 else ""
+            return name, f"{name} must be an integer >= 1{hint}, got {v!r}"
     return None
 
 

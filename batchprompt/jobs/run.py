@@ -28,7 +28,8 @@ from .ids import check_ids
 from .journal import Journal, record_json
 from .lock import JobLock
 from .live_rate import LiveRate
-from .rows import CHAT, COMPLETION, InputError, Row, RowError, Table, max_tokens_field, max_tokens_name, read_input
+from .rows import (CHAT, COMPLETION, InputError, Row, RowError, Table, echo_only, max_tokens_field, max_tokens_name,
+                   read_input)
 from .storage import StorageError, is_stream, write_atomic
 
 log = logging.getLogger("batchprompt")
@@ -367,6 +368,10 @@ def row_params(row: Row, opts: JobOptions) -> tuple[SamplingParams, int]:
     deterministic items run once. `best_of` runs in the engine, so it needs n = 1."""
     b = row.body
     max_tokens = _given(max_tokens_field(b), opts.max_tokens)
+    if echo_only(b):  # the prompt alone: its prefill runs, and the one token it yields is not answered
+        if b.get("min_tokens"):
+            raise ValueError(f"min_tokens must be 0 when {max_tokens_name(b)} is 0, got {b['min_tokens']!r}")
+        max_tokens = 1
     temperature = _given(b.get("temperature"), opts.temperature)
     seed = _given(b.get("seed"), opts.seed)
     n = _given(b.get("n"), 1)

@@ -322,6 +322,29 @@ pytestmark_slow = pytest.mark.slow
 
 
 @pytest.mark.slow
+def test_a_completion_row_with_echo_and_max_tokens_0_is_its_prompt_alone(tmp_path):
+    """A row `echo: true, max_tokens: 0` (a text's log-likelihood, as HELM asks it) failed as
+    "max_tokens must be an integer >= 1". As OpenAI and vLLM: the prompt, its log-probs, nothing
+    generated."""
+    body = {"prompt": "SMS: hello there", "max_tokens": 0, "echo": True, "logprobs": 1}
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"custom_id": "c", "method": "POST", "url": COMPLETION, "body": body}) + "\n"
+                   + json.dumps({"custom_id": "d", "method": "POST", "url": COMPLETION,
+                                 "body": {**body, "echo": False}}) + "\n")
+    s = run_job(JobOptions(str(inp), str(out), progress=False))
+    assert (s.ok, s.failed) == (1, 1)
+    # read as JSON: the openai client's model types have no null for the prompt's first log-prob
+    # (vLLM's and OpenAI's answers give one), so parse_outputs' strict check would refuse it
+    [got] = [json.loads(line) for line in out.read_text().splitlines()]
+    choice = got["response"]["body"]["choices"][0]
+    assert choice["text"] == body["prompt"] and choice["finish_reason"] == "length"
+    assert "".join(choice["logprobs"]["tokens"]) == body["prompt"] and choice["logprobs"]["token_logprobs"][0] is None
+    assert got["response"]["body"]["usage"]["completion_tokens"] == 0
+    [err] = [json.loads(x) for x in Path(str(out) + ".errors.jsonl").read_text().splitlines()]
+    assert "0 only with echo: true" in err["error"]["message"]
+
+
+@pytest.mark.slow
 def test_mixed_file_gives_openai_bodies_and_an_errors_file(tmp_path):
     rows = sms_rows(6)
     lines = [chat_line(0, rows[0][1]),

@@ -399,6 +399,36 @@ def test_echo_with_logprobs_gives_the_prompts_log_probs_as_lm_eval_asks_them(ser
     assert (r.status_code, error_of(r)["param"]) == (400, "echo"), r.text
 
 
+def test_echo_with_max_tokens_0_answers_the_prompt_alone(server):
+    """`echo` with max_tokens 0 (how HELM and older lm-eval score a text) was a 400. As OpenAI's
+    completions and vLLM: the prompt alone, its tokens' log-probs, finish_reason "length", no
+    generated token counted. Without echo, 0 is still refused, naming echo."""
+    prompt = "The capital of France is Paris"
+    client = server.openai()
+    scored = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=1, temperature=0,
+                                       logprobs=2, echo=True).choices[0].logprobs
+    n = len(scored.tokens) - 1  # the prompt's tokens
+    out = client.completions.create(model="smollm2-135m", prompt=[prompt, "Hello"], max_tokens=0, logprobs=2,
+                                    echo=True)
+    first, second = out.choices
+    assert (first.text, second.text) == (prompt, "Hello")
+    assert first.finish_reason == "length" and out.usage.completion_tokens == 0
+    assert first.logprobs.tokens == scored.tokens[:n] and first.logprobs.token_logprobs[0] is None
+    assert first.logprobs.token_logprobs[1:] == pytest.approx(scored.token_logprobs[1:n], abs=1e-6)
+    assert first.logprobs.text_offset == scored.text_offset[:n]
+    plain = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=0, echo=True).choices[0]
+    assert (plain.text, plain.logprobs) == (prompt, None)
+    with server.client() as c:
+        for body in ({"prompt": prompt, "max_tokens": 0},
+                     {"prompt": prompt, "max_tokens": 0, "echo": True, "min_tokens": 1},
+                     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}):
+            r = c.post("/v1/chat/completions" if "messages" in body else "/v1/completions", json=body)
+            assert r.status_code == 400, (body, r.text)
+            assert error_of(r)["param"] in ("max_tokens", "min_tokens"), r.text
+        r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 0})
+        assert "0 only with echo: true" in error_of(r)["message"], r.text
+
+
 def test_vllms_tokenize_detokenize_and_version_routes(server):
     """vLLM's /tokenize, /detokenize and /version were 404s. /tokenize renders a prompt or chat
     messages as the endpoints render them: its ids are those a request's prompt counts."""
