@@ -16,9 +16,24 @@ _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.
            "half": torch.float16, "float": torch.float32}  # vLLM's names too
 
 
+# PyTorch's own words are "Cannot re-initialize CUDA in forked subprocess", raised from the
+# first step, which ran only after the model had loaded.
+FORKED_CUDA = ("this process was forked from one that used CUDA, and CUDA cannot run in a forked child: start "
+               "the child with multiprocessing's 'spawn' (multiprocessing.get_context('spawn')), or give "
+               "device='cpu' in the child")
+
+
+def check_not_forked_from_cuda(device: torch.device) -> None:
+    """RuntimeError (FORKED_CUDA) where `device` is CUDA and this is a forked child of a CUDA process."""
+    if device.type == "cuda" and torch.cuda._is_in_bad_fork():
+        raise RuntimeError(FORKED_CUDA)
+
+
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        check_not_forked_from_cuda(dev)  # not CPU in its stead: the child would run many times slower, unsaid
+        return dev
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -27,6 +42,7 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
         raise ValueError(f"device {str(device)!r} is not supported; use 'auto', 'cpu', 'cuda' or 'cuda:N'")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r} asked for, but no CUDA GPU is visible; use device='cpu'")
+    check_not_forked_from_cuda(dev)
     return dev
 
 

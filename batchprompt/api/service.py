@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 # noqa F401: the seam's types, imported from here too
 from ..backends.base import Item, Source, StopCounts, answer, stopped_output  # noqa: F401
-from ..device import prepare_engine_thread
+from ..device import check_not_forked_from_cuda, prepare_engine_thread
 from ..engine import EngineConfig, EngineStats, LLMEngine, RequestOutput, SamplingParams
 from ..engine.config import EngineConfigError
 from ..units import wait_seconds
@@ -589,6 +589,7 @@ def get_service(model: str | LLMEngine | None = None, *, device: str = "auto", d
         service = _services.get(key)
         if service is None or service.stopped:
             if isinstance(model, LLMEngine):
+                check_not_forked_from_cuda(model.runner.device)  # the parent's CUDA engine, copied by a fork
                 if model.has_callers_requests():  # the session's thread would step them and drop their outputs
                     raise RuntimeError("this engine has requests of its own in progress (add_request()): step them "
                                        "to the end, or abort() them, before a session uses the engine")

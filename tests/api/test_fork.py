@@ -7,6 +7,7 @@ import os
 import pytest
 
 import batchprompt as bp
+from batchprompt.device import FORKED_CUDA
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")]
 
@@ -27,7 +28,10 @@ def test_a_forked_child_gets_an_error_from_the_parents_session_and_an_engine_of_
             out.put(str(e))
         except Exception as e:  # noqa: BLE001
             out.put(f"{type(e).__name__}: {e}")
-        out.put(bp.batch_prompt([messages[0]], model=engine32, max_tokens=3)[0].text)
+        try:
+            out.put(bp.batch_prompt([messages[0]], model=engine32, max_tokens=3)[0].text)
+        except Exception as e:  # noqa: BLE001
+            out.put(f"{type(e).__name__}: {e}")
 
     proc = ctx.Process(target=child)
     proc.start()
@@ -38,6 +42,30 @@ def test_a_forked_child_gets_an_error_from_the_parents_session_and_an_engine_of_
     assert proc.exitcode == 0
     error, text = out.get(), out.get()
     assert "the process this one was forked from" in error and "'spawn'" in error, error
-    assert text == expected  # greedy, float32: the child's own engine answers as the parent's
+    if engine32.runner.device.type == "cuda":  # CUDA cannot run in a forked child: said at once, and how to
+        # start one that can (it was "the session's system prompt cannot run: the model failed on this step")
+        assert text == f"RuntimeError: {FORKED_CUDA}", text
+    else:
+        assert text == expected  # greedy, float32: the child's own engine answers as the parent's
     assert lm.prompt(messages[0]) == expected  # the parent's engine goes on
     lm.destroy()
+
+
+def test_cuda_in_a_child_forked_from_a_cuda_process_is_refused_naming_spawn(monkeypatch, engine32):
+    """Such a child's first step failed ("Cannot re-initialize CUDA in forked subprocess", after
+    the model had loaded, as a failure of the system prompt). Where PyTorch says this process is
+    such a child, a CUDA device is refused as it is asked for: by name, or by default."""
+    import torch
+
+    from batchprompt.device import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for device in ("auto", "cuda"):
+        with pytest.raises(RuntimeError, match="'spawn'"):
+            resolve_device(device)
+    assert resolve_device("cpu").type == "cpu"
+    bp.shutdown(engine32)  # as in such a child, where the registry starts empty
+    monkeypatch.setattr(engine32.runner, "device", torch.device("cuda"))
+    with pytest.raises(RuntimeError, match="forked from one that used CUDA"):
+        bp.LanguageModel.create(model=engine32)
