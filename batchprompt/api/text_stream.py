@@ -23,8 +23,10 @@ class TextStream:
     def push(self, ids: Sequence[int]) -> str:
         """The new text that `ids` (the tokens made since the last push) make certain ("" if none)."""
         self._ids.extend(ids)
-        text = self._decode(self._ids)
-        ready = (text[:len(text) - self._hold] if self._hold else text).rstrip("\ufffd")
+        # The incomplete character first, then the stop strings' hold-back: the other order counted
+        # a half-made emoji's U+FFFD among the held-back characters and sent the stop string's first.
+        complete = self._decode(self._ids).rstrip("\ufffd")
+        ready = complete[:len(complete) - self._hold] if self._hold else complete
         if len(ready) <= len(self.sent) or not ready.startswith(self.sent):
             return ""
         piece, self.sent = ready[len(self.sent):], ready

@@ -85,9 +85,32 @@ def whole_numbers(schema: Type[BaseModel], body: dict[str, Any]) -> dict[str, An
     """`body` with a whole-number float in an integer field as that integer (`"max_tokens": 5.0`,
     which JavaScript and a Python float send, and vLLM's models take); 5.5 is left to be refused."""
     fields = _integer_fields(schema)
-    whole = {k: int(v) for k, v in body.items()
-             if k in fields and isinstance(v, float) and v.is_integer() and abs(v) < 2 ** 63}
+    whole = {k: int(v) for k, v in body.items() if k in fields and _whole(v)}
+    for k in _ID_LISTS:  # token ids: `"prompt": [2.0, 504.0]` (or a list of such lists)
+        ids = body.get(k)
+        if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
+            if any(map(_has_whole_float, ids)):
+                whole[k] = [_ids(x) for x in ids]
+        elif _has_whole_float(ids):
+            whole[k] = _ids(ids)
     return {**body, **whole} if whole else body
+
+
+_ID_LISTS = ("prompt", "stop_token_ids", "allowed_token_ids")
+
+
+def _whole(v: Any) -> bool:
+    return isinstance(v, float) and v.is_integer() and abs(v) < 2 ** 63
+
+
+def _has_whole_float(ids: Any) -> bool:
+    """A list of integers, some of them written as whole-number floats (and no other float)."""
+    return (isinstance(ids, list) and any(_whole(x) for x in ids)
+            and all(_whole(x) or (isinstance(x, int) and not isinstance(x, bool)) for x in ids))
+
+
+def _ids(ids: list) -> list:
+    return [int(x) for x in ids] if _has_whole_float(ids) else ids
 
 
 @functools.cache  # per body model, not per body: a job's rows each ask

@@ -61,7 +61,12 @@ class TokenPieces:
     @classmethod
     def of(cls, tokenizer) -> "TokenPieces":
         text = getattr(tokenizer, "token_text", None) or (lambda t: tokenizer.decode([t]))
-        return cls(text, getattr(tokenizer, "token_bytes", None), getattr(tokenizer, "decode", None))
+        decode = getattr(tokenizer, "decode", None)
+        # An echoed prompt keeps its special tokens, as its log-probs' tokens (and their
+        # text_offset) and a prompt given as text do, and as vLLM echoes it: `[1, 504]` echoed
+        # "The", and its offsets counted the "<|im_start|>" that the text lacked.
+        echo = None if decode is None else (lambda ids: decode(ids, skip_special_tokens=False))
+        return cls(text, getattr(tokenizer, "token_bytes", None), echo)
 
 
 def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
@@ -231,8 +236,9 @@ def error_line(line: int, custom_id: str | None, code: str, message: str, job: s
     response = None
     if code not in NOT_HTTP:
         status = STATUS.get(code, 400)
-        # The body's message as the endpoint words it: the file's line number is in `error.line`.
-        body = {"error": {"message": message.removeprefix(f"line {line}: "), "type": error_type(status),
+        # The body's message as the endpoint words it: the file's line (a table's row) is in `error.line`.
+        where = message.removeprefix(f"line {line}: ").removeprefix(f"row {line}: ")
+        body = {"error": {"message": where, "type": error_type(status),
                           "param": param, "code": code}}
         response = {"status_code": status, "request_id": _id("req_", job, custom_id, line), "body": body}
     return {"id": _id("batch_req_", job, custom_id, line), "custom_id": custom_id, "response": response,

@@ -517,7 +517,7 @@ def _check_counts(body: dict) -> tuple[str, str] | None:
     for name in ("max_tokens", "max_completion_tokens"):
         v = body.get(name)
         if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= least):
-            hint = " (0 only with echo: true, for the prompt alone)" if v == 0 else ""
+            hint = " (0 only with echo: true, for the prompt alone)" if v == 0 and "messages" not in body else ""
             return name, f"{name} must be an integer >= 1{hint}, got {v!r}"
     return None
 

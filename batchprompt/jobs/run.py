@@ -229,6 +229,8 @@ def check_writable(path: str, what: str = "the output") -> None:
         raise InputError(f"{path}: cannot write {what} there: it is a folder; give a file name, "
                          f"such as {Path(path) / 'output.jsonl'}")
     parent = Path(path).resolve().parent
+    if parent.exists() and not parent.is_dir():  # it said "the folder ... does not exist"
+        raise InputError(f"{path}: cannot write {what} there: {parent} is a file, not a folder")
     if not parent.is_dir():
         raise InputError(f"{path}: cannot write {what} there: the folder {parent} does not exist")
     try:

@@ -114,6 +114,9 @@ def test_missing_input_unwritable_output_unknown_model(tmp_path, capsys):
     (tmp_path / "folder").mkdir()  # a folder as the output: refused before the model loads, no journal left
     assert main(["run", str(inp), "-o", str(tmp_path / "folder")]) == 2
     assert "it is a folder; give a file name" in capsys.readouterr().err
+    # Under a file: it said "the folder .../in.jsonl does not exist", which exists
+    assert main(["run", str(inp), "-o", str(inp / "o.jsonl")]) == 2
+    assert f"{inp} is a file, not a folder" in capsys.readouterr().err
     assert not (tmp_path / "folder.journal").exists()
     assert main(["run", str(inp), "-o", str(tmp_path / "o.jsonl"), "--model", "no-such-model"]) == 2
     assert "unknown model 'no-such-model'" in capsys.readouterr().err

@@ -202,6 +202,17 @@ def test_every_csv_column_is_text_as_written(tmp_path):
     assert rows.table.column("n").to_pylist()[-1] == "many" and len(rows.rows) == 200_001
 
 
+def test_an_empty_cells_error_body_is_worded_as_a_lines_without_its_place(tmp_path):
+    """A table row's error body said "row 2: column 'text' is empty", where a JSONL line's body
+    leaves its place to `error.line` (and `error.message`)."""
+    p = tmp_path / "t.csv"
+    p.write_text("id,text\n1,hi\n2,\n")
+    err = read_input(str(p), "text").rows[1]
+    written = openai_io.row_error_line(err)
+    assert written["response"]["body"]["error"]["message"] == "column 'text' is empty"
+    assert (written["error"]["line"], written["error"]["message"]) == (2, "row 2: column 'text' is empty")
+
+
 @pytest.mark.parametrize("header, message", [
     ("text,,", "columns 2 and 3 of the header have no name"),
     ("a,a,text", "columns 1 and 2 of the header have the name 'a'"),

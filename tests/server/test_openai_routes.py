@@ -365,6 +365,14 @@ def test_what_vllm_takes_is_taken(server):
         r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3.0, "logprobs": 2.0})
         assert r.status_code == 200, r.text
         assert len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) >= 2
+        # Token ids too (they were a 422): as ints they read the same
+        for prompt in ([1.0, 504.0], [[1.0, 504], [504.0]]):
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "stop_token_ids": [2.0]})
+            assert r.status_code == 200, (prompt, r.text)
+            lists = prompt if isinstance(prompt[0], list) else [prompt]
+            assert r.json()["usage"]["prompt_tokens"] == sum(map(len, lists))
+        r = c.post("/v1/completions", json={"prompt": [1.5, 504], "max_tokens": 1})
+        assert r.status_code == 422 and error_of(r)["param"].startswith("prompt"), r.text
         r = c.post("/v1/chat/completions", json={"messages": hi, "max_tokens": 2.5})
         assert r.status_code == 422 and error_of(r)["param"] == "max_tokens", r.text
 
@@ -397,6 +405,22 @@ def test_echo_with_logprobs_gives_the_prompts_log_probs_as_lm_eval_asks_them(ser
     with server.client() as c:
         r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "echo": True})
     assert (r.status_code, error_of(r)["param"]) == (400, "echo"), r.text
+
+
+def test_an_echoed_token_id_prompt_keeps_its_special_tokens_as_its_log_probs_do(server):
+    """`prompt: [1, 504]` (<|im_start|>The) echoed "The" while its log-probs' tokens began with
+    "<|im_start|>" and their text_offset counted it, pointing past the text's end; the same
+    prompt sent as text echoed "<|im_start|>The". As vLLM: the special token is in the text."""
+    with server.client() as c:
+        answers = [c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True,
+                                                   "logprobs": 0}).json()["choices"][0]
+                   for prompt in ([1, 504], "<|im_start|>The")]
+    for choice in answers:
+        lp = choice["logprobs"]
+        assert choice["text"].startswith("<|im_start|>The"), choice["text"]
+        assert choice["text"] == "".join(lp["tokens"])
+        assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
+    assert answers[0]["text"] == answers[1]["text"]
 
 
 def test_echo_with_max_tokens_0_answers_the_prompt_alone(server):
