@@ -64,5 +64,7 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     # With params.prompt_top_logprobs k: request id -> [(token index, the k most likely (id, log-prob))].
     prompt_top: dict[str, list[tuple[int, list[tuple[int, float]]]]] = field(default_factory=dict)
+    # With params.prompt_ranks: request id -> [(token index, that token's rank in the vocabulary)].
+    prompt_ranks: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     # For scoring requests: the log-prob of each candidate's first token after the prompt.
     choice_logprobs: dict[str, list[float]] = field(default_factory=dict)

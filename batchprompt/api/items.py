@@ -33,6 +33,7 @@ def to_result(index: int, out: RequestOutput, spec: OutputSpec | None = None, as
         logprobs=out.logprobs, top_logprobs=out.top_logprobs, token_ids=out.output_token_ids,
         retryable=out.retryable, stop_reason=out.stop_reason, prompt_token_ids=list(out.prompt_token_ids),
         prompt_logprobs=out.prompt_logprobs, prompt_top_logprobs=out.prompt_top_logprobs,
+        prompt_ranks=out.prompt_ranks,
     )
     if spec is None:
         return result

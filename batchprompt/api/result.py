@@ -46,6 +46,7 @@ class Result:
     prompt_token_ids: list[int] = field(default_factory=list, repr=False)
     prompt_logprobs: list[float] | None = field(default=None, repr=False)
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = field(default=None, repr=False)
+    prompt_ranks: list[int] | None = field(default=None, repr=False)  # vLLM's prompt_logprobs: each token's rank
 
     @property
     def ok(self) -> bool:

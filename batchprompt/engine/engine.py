@@ -418,6 +418,8 @@ class LLMEngine:
             self._requests[rid].prompt_logprobs.update(pairs)
         for rid, tops in out.prompt_top.items():
             self._requests[rid].prompt_top.update(tops)
+        for rid, ranks in out.prompt_ranks.items():
+            self._requests[rid].prompt_ranks.update(ranks)
         for req in self.scheduler.advance(sched):
             if req.num_tokens > req.num_prompt_tokens:
                 decode_chunks += 1
@@ -518,6 +520,7 @@ class LLMEngine:
             merged.logprobs.update(out.logprobs)
             merged.prompt_logprobs.update(out.prompt_logprobs)
             merged.prompt_top.update(out.prompt_top)
+            merged.prompt_ranks.update(out.prompt_ranks)
             merged.choice_logprobs.update(out.choice_logprobs)
         # A scoring candidate that failed fails its whole request: its siblings' chunks are dropped.
         ran = [c for c in ran if c.request_id in self._requests and not self._requests[c.request_id].is_finished]
@@ -560,6 +563,7 @@ class LLMEngine:
             num_cached_tokens=cached, num_preemptions=req.num_preemptions,
             prompt_logprobs=self._prompt_logprobs(req),
             prompt_top_logprobs=self._prompt_tops(req),
+            prompt_ranks=self._prompt_ranks(req),
             choice_logprobs=list(req.choice_logprobs) if req.params.score_choices and req.error is None else None,
             grammar_complete=self._grammar_complete(req, text if cut_char else None),
             stop_reason=req.stop_reason if req.finish_reason == "stop" else None,
@@ -596,6 +600,13 @@ class LLMEngine:
         if first is None or not req.params.prompt_top_logprobs or req.error is not None:
             return None
         return [req.prompt_top[p] for p in range(first, req.num_prompt_tokens)]
+
+    @staticmethod
+    def _prompt_ranks(req: Request) -> list[int] | None:
+        first = req.params.prompt_logprobs_from
+        if first is None or not req.params.prompt_ranks or req.error is not None:
+            return None
+        return [req.prompt_ranks[p] for p in range(first, req.num_prompt_tokens)]
 
     @property
     def stats(self) -> EngineStats:

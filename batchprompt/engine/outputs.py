@@ -23,6 +23,7 @@ class RequestOutput:
     num_preemptions: int = 0
     prompt_logprobs: list[float] | None = None  # from params.prompt_logprobs_from on
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None  # the same positions' top ones (k asked)
+    prompt_ranks: list[int] | None = None  # the same tokens' ranks in the vocabulary (params.prompt_ranks)
     choice_logprobs: list[float] | None = None  # scoring: each candidate's log-likelihood
     # params.top_logprobs > 0: at each position, (token id, log-prob) of the k most likely tokens.
     top_logprobs: list[list[tuple[int, float]]] | None = None

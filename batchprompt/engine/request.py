@@ -48,6 +48,7 @@ class Request:
     matcher: Any = None  # the grammar's state (llguidance LLMatcher) when params.grammar is set
     prompt_logprobs: dict[int, float] = field(default_factory=dict)  # prompt token index -> log-prob
     prompt_top: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # index -> its top (id, log-prob)
+    prompt_ranks: dict[int, int] = field(default_factory=dict)  # prompt token index -> its rank (params.prompt_ranks)
     # Scoring (params.score_choices): each candidate's log-likelihood, filled as parts arrive.
     choice_logprobs: list[float] = field(default_factory=list)
     pending_children: set[str] = field(default_factory=set)

@@ -56,6 +56,7 @@ class _OpenAIBody(StrictBody):
     best_of: int | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's log-prob, rank and k most likely
     # OpenAI's fields that we ignore, still of OpenAI's types ("user": 5 was taken)
     user: str | None = None
     metadata: dict[str, str] | None = None

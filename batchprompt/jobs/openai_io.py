@@ -92,8 +92,11 @@ def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
                 choice["logprobs"] = {"content": chat_logprobs(r.token_ids, r.logprobs, _tops(r), pieces),
                                       "refusal": None}
             out.append(_with_extras(choice, r, with_ids))
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+        body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": out, "usage": usage, "system_fingerprint": None}
+        if row.body.get("prompt_logprobs") is not None:  # vLLM's: the response's, not a choice's
+            body["prompt_logprobs"] = prompt_logprobs(choices[0], row.body["prompt_logprobs"], pieces)
+        return body
     out = []
     for i, r in enumerate(choices):
         if alone:  # as vLLM: the prompt, finish_reason "length" (max_tokens 0 reached), no stop reason
@@ -104,6 +107,8 @@ def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
             choice["logprobs"] = completion_logprobs(r.token_ids, r.logprobs, _tops(r), pieces)
         if row.body.get("echo") is True:
             choice = _echoed(choice, row, r, pieces)
+        if row.body.get("prompt_logprobs") is not None:
+            choice["prompt_logprobs"] = prompt_logprobs(r, row.body["prompt_logprobs"], pieces)
         out.append(_with_extras(choice, r, with_ids))
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": out, "usage": usage}
@@ -166,7 +171,9 @@ def _echoed(choice: dict[str, Any], row: Row, r: Result, pieces: TokenPieces) ->
     if choice["logprobs"] is None or not ids:
         return choice
     values = [None, *(r.prompt_logprobs or [None] * (len(ids) - 1))]
-    tops = [None, *r.prompt_top_logprobs] if r.prompt_top_logprobs else None
+    k = row.body.get("logprobs")  # the engine's may be more, where prompt_logprobs asks more
+    k = int(k) if isinstance(k, (bool, int)) else 0
+    tops = [None, *(top[:k] for top in r.prompt_top_logprobs)] if r.prompt_top_logprobs else None
     echoed = completion_logprobs(ids, values, tops, pieces)
     answer = choice["logprobs"]
     offset = sum(map(len, echoed["tokens"]))
@@ -175,6 +182,23 @@ def _echoed(choice: dict[str, Any], row: Row, r: Result, pieces: TokenPieces) ->
         "token_logprobs": echoed["token_logprobs"] + answer["token_logprobs"],
         "top_logprobs": echoed["top_logprobs"] + answer["top_logprobs"],
         "text_offset": echoed["text_offset"] + [offset + o for o in answer["text_offset"]]}}
+
+
+def prompt_logprobs(r: Result, k: int, pieces: TokenPieces) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token, null for the first, then {token id: {logprob,
+    rank, decoded_token}} of the token itself (first) and of its position's k most likely (ranks
+    1 to k), where the prompt token may be among them."""
+    if r.prompt_logprobs is None:
+        return None
+    ids, ranks, tops = r.prompt_token_ids, r.prompt_ranks or (), r.prompt_top_logprobs
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for i, (tid, value) in enumerate(zip(ids[1:], r.prompt_logprobs)):
+        entry = {str(tid): {"logprob": value, "rank": ranks[i] if i < len(ranks) else None,
+                            "decoded_token": pieces.text(tid)}}
+        for rank, (t, v) in enumerate(tops[i][:k] if tops and k else (), 1):
+            entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": pieces.text(t)})
+        out.append(entry)
+    return out
 
 
 def _chat_token(tid: int, logprob: float, pieces: TokenPieces) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from ..engine.sampling_params import MAX_TOP_LOGPROBS
 from .rows import max_tokens_field
 
 #: field -> is the value a no-op? (The sampling options, from presence_penalty to best_of and
@@ -17,7 +18,6 @@ _NOOP = {
     "tool_choice": lambda v: v in (None, "none", "auto"),  # "required" or a named function: a tool call
     "function_call": lambda v: v in (None, "none", "auto"),
     "use_beam_search": lambda v: not v,
-    "prompt_logprobs": lambda v: v is None,
     "guided_whitespace_pattern": lambda v: v is None,  # JSON here is always compact
     # vLLM's fields that change the prompt or the output, unless left at their default
     "truncate_prompt_tokens": lambda v: v is None,
@@ -66,6 +66,7 @@ def refuse_unsupported(body: dict) -> dict:
                       "unsupported_parameter", "echo")
     if echo and body.get("stream"):
         raise Refused("echo cannot be streamed here: leave out stream or echo", "unsupported_parameter", "echo")
+    _check_prompt_logprobs(body)
     if body.get("stream_options") is not None and not body.get("stream"):
         raise Refused("stream_options is only allowed with stream: true", "invalid_parameter", "stream_options")
     _check_template_fields(body)
@@ -77,6 +78,22 @@ def refuse_unsupported(body: dict) -> dict:
         # best_of = n picks all n: a no-op clients send, not the best-of-n search (which needs n = 1).
         body = {k: v for k, v in body.items() if k != "best_of"}
     return body
+
+
+def _check_prompt_logprobs(body: dict) -> None:
+    """vLLM's prompt_logprobs: k from 0 to MAX_TOP_LOGPROBS (its max_logprobs, 20), not streamed."""
+    k = body.get("prompt_logprobs")
+    if k is None:
+        return
+    if k == -1 and not isinstance(k, bool):
+        raise Refused(f"prompt_logprobs: -1 (the whole vocabulary at each position) is not supported: give 0 to "
+                      f"{MAX_TOP_LOGPROBS}", "invalid_value", "prompt_logprobs")
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise Refused(f"prompt_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {shown(k)}",
+                      "invalid_value", "prompt_logprobs")
+    if body.get("stream"):  # vLLM refuses it too
+        raise Refused("prompt_logprobs cannot be streamed: leave out stream or prompt_logprobs",
+                      "unsupported_parameter", "prompt_logprobs")
 
 
 def shown(value) -> str:

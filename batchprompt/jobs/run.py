@@ -392,6 +392,10 @@ def row_params(row: Row, opts: JobOptions) -> tuple[SamplingParams, int]:
                          f"give n alone, or best_of with n = 1")
     if row.url == COMPLETION and b.get("echo") is True and logprobs:  # the prompt's tokens' log-probs too,
         extra.update(prompt_logprobs_from=1, prompt_top_logprobs=top)  # as vLLM answers echo (lm-eval's loglikelihood)
+    k = b.get("prompt_logprobs")
+    if k is not None:  # vLLM's: each prompt token's log-prob and rank, and its position's k most likely
+        extra.update(prompt_logprobs_from=1, prompt_ranks=True,
+                     prompt_top_logprobs=max(k, extra.get("prompt_top_logprobs", 0)))
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=_given(b.get("top_p"), 1.0),
         seed=seed, stop=stop, logprobs=logprobs, top_logprobs=top, **extra)

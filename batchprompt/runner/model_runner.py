@@ -58,25 +58,33 @@ class ModelRunner:
     def _prompt_tops(sched: SchedulerOutput, inputs, logits: torch.Tensor, norm: torch.Tensor,
                      out: ModelRunnerOutput) -> None:
         """The k most likely tokens at each scored prompt position of the requests that ask
-        (prompt_top_logprobs: an echoed prompt's top_logprobs). Those requests' own prompt
-        log-probs are then read from the same logits, as a sampled token's are, so that a token
-        among its position's top ones has one value (the float32 product of the scoring path
-        differed from it by up to 0.06 in bfloat16)."""
-        asked = {c.request_id: c.params.prompt_top_logprobs for c in sched.chunks if c.params.prompt_top_logprobs}
+        (prompt_top_logprobs: an echoed prompt's top_logprobs), and each prompt token's rank among
+        the vocabulary where asked (prompt_ranks: vLLM's prompt_logprobs). Those requests' own
+        prompt log-probs are then read from the same logits, as a sampled token's are, so that a
+        token among its position's top ones has one value (the float32 product of the scoring path
+        differed from it by up to 0.06 in bfloat16), and its rank agrees with them."""
+        asked = {c.request_id: (c.params.prompt_top_logprobs, c.params.prompt_ranks) for c in sched.chunks
+                 if c.params.prompt_top_logprobs or c.params.prompt_ranks}
         rows = [row for row, (rid, _) in enumerate(inputs.score_owners) if rid in asked]
         if not rows:
             return
         # Only the rows of those requests (a step's other scored rows, a choice's labels, need none).
         index = torch.tensor(rows, device=logits.device)
         full, base = logits.index_select(0, index).float(), norm.index_select(0, index)[:, None]
-        values, ids = torch.topk(full, max(asked.values()), dim=-1)
+        most = max(k for k, _ in asked.values())
+        values, ids = torch.topk(full, most, dim=-1) if most else (full[:, :0], full[:, :0].long())
         values, ids = (values - base).tolist(), ids.tolist()
-        chosen = (full.gather(1, inputs.score_tokens.index_select(0, index)[:, None]) - base).squeeze(1).tolist()
+        chosen_logits = full.gather(1, inputs.score_tokens.index_select(0, index)[:, None])
+        chosen = (chosen_logits - base).squeeze(1).tolist()
+        ranks = ((full > chosen_logits).sum(dim=1) + 1).tolist()  # 1 + the tokens likelier than it
         own: dict[str, list[tuple[int, float]]] = {}
         for i, row in enumerate(rows):
             rid, pos = inputs.score_owners[row]
-            k = asked[rid]
-            out.prompt_top.setdefault(rid, []).append((pos, list(zip(ids[i][:k], values[i][:k]))))
+            k, rank = asked[rid]
+            if k:
+                out.prompt_top.setdefault(rid, []).append((pos, list(zip(ids[i][:k], values[i][:k]))))
+            if rank:
+                out.prompt_ranks.setdefault(rid, []).append((pos, ranks[i]))
             own.setdefault(rid, []).append((pos, chosen[i]))
         out.prompt_logprobs.update(own)
 

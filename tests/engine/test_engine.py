@@ -84,6 +84,26 @@ def test_prompt_log_probs_and_their_top_ones_follow_reference_logits(tiny_model)
         SamplingParams(prompt_top_logprobs=2)
 
 
+@pytest.mark.parametrize("top", [0, 2])
+def test_prompt_tokens_ranks_follow_reference_logits(tiny_model, top):
+    """vLLM's prompt_logprobs gives each prompt token's rank in the vocabulary (1: the likeliest),
+    with or without the top ones; checked against the full forward, prefilled in chunks."""
+    p = prompts(1, shared=30)[0]
+    out = engine(tiny_model, max_num_batched_tokens=16).generate(
+        [p], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs_from=1, prompt_top_logprobs=top,
+                            prompt_ranks=True))[0]
+    reference = torch.log_softmax(full_logits(tiny_model, p), -1)
+    assert len(out.prompt_ranks) == len(out.prompt_logprobs) == len(p) - 1
+    assert (out.prompt_top_logprobs is None) == (top == 0)
+    for pos in range(1, len(p)):
+        expected = reference[pos - 1]
+        assert out.prompt_ranks[pos - 1] == int((expected > expected[p[pos]]).sum()) + 1
+        assert out.prompt_logprobs[pos - 1] == pytest.approx(float(expected[p[pos]]), abs=1e-4)
+    assert min(out.prompt_ranks) >= 1 and max(out.prompt_ranks) > 1  # a random model's prompt: not all likeliest
+    with pytest.raises(ValueError, match="prompt_ranks needs prompt_logprobs_from"):
+        SamplingParams(prompt_ranks=True)
+
+
 def test_seed_gives_same_output_whatever_the_batch(tiny_model):
     sp = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=20, seed=123, ignore_eos=True)
     ps = prompts(6)

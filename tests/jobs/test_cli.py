@@ -333,12 +333,18 @@ def test_a_completion_row_with_echo_and_max_tokens_0_is_its_prompt_alone(tmp_pat
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text(json.dumps({"custom_id": "c", "method": "POST", "url": COMPLETION, "body": body}) + "\n"
                    + json.dumps({"custom_id": "d", "method": "POST", "url": COMPLETION,
-                                 "body": {**body, "echo": False}}) + "\n")
+                                 "body": {**body, "echo": False}}) + "\n"
+                   + json.dumps({"custom_id": "e", "method": "POST", "url": CHAT,  # vLLM's prompt_logprobs too
+                                 "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                          "prompt_logprobs": 1}}) + "\n")
     s = run_job(JobOptions(str(inp), str(out), progress=False))
-    assert (s.ok, s.failed) == (1, 1)
+    assert (s.ok, s.failed) == (2, 1)
     # read as JSON: the openai client's model types have no null for the prompt's first log-prob
     # (vLLM's and OpenAI's answers give one), so parse_outputs' strict check would refuse it
-    [got] = [json.loads(line) for line in out.read_text().splitlines()]
+    got, chat = [json.loads(line) for line in out.read_text().splitlines()]
+    plp = chat["response"]["body"]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == chat["response"]["body"]["usage"]["prompt_tokens"]
+    assert all(1 <= len(e) <= 2 and min(x["rank"] for x in e.values()) == 1 or len(e) == 2 for e in plp[1:])
     choice = got["response"]["body"]["choices"][0]
     assert choice["text"] == body["prompt"] and choice["finish_reason"] == "length"
     assert "".join(choice["logprobs"]["tokens"]) == body["prompt"] and choice["logprobs"]["token_logprobs"][0] is None

@@ -423,6 +423,49 @@ def test_an_echoed_token_id_prompt_keeps_its_special_tokens_as_its_log_probs_do(
     assert answers[0]["text"] == answers[1]["text"]
 
 
+def test_vllms_prompt_logprobs_give_each_prompt_tokens_log_prob_rank_and_top_ones(server):
+    """vLLM's `prompt_logprobs: k` was refused. As vLLM: per prompt token (null for the first),
+    {token id: {logprob, rank, decoded_token}}, the token itself first, then its position's k most
+    likely; on a completion's choices, and on a chat's response. The values are those `echo`
+    with logprobs gives."""
+    prompt = "The capital of France is Paris"
+    with server.client() as c:
+        echoed = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": True,
+                                                 "logprobs": 3}).json()["choices"][0]["logprobs"]
+        r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                            "prompt_logprobs": 2, "n": 2, "seed": 1})
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+        chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                                    "prompt_logprobs": 0}).json()
+        refused = [c.post("/v1/completions", json={"prompt": prompt, **extra})
+                   for extra in ({"prompt_logprobs": -1}, {"prompt_logprobs": 21},
+                                 {"prompt_logprobs": 1, "stream": True}, {"prompt_logprobs": "2"})]
+    plp = choices[0]["prompt_logprobs"]
+    assert choices[1]["prompt_logprobs"] == plp
+    n = len(echoed["tokens"]) - 1  # the prompt's tokens
+    assert len(plp) == n and plp[0] is None
+    for pos in range(1, n):
+        entry, token = plp[pos], echoed["tokens"][pos]
+        own = next(iter(entry.values()))  # the prompt token first
+        assert own["decoded_token"] == token
+        assert own["logprob"] == pytest.approx(echoed["token_logprobs"][pos], abs=1e-6)
+        tops = sorted(echoed["top_logprobs"][pos].values(), reverse=True)[:2]
+        others = sorted((e for e in entry.values() if e["rank"] <= 2), key=lambda e: e["rank"])
+        assert [e["rank"] for e in others] == [1, 2] and len(entry) in (2, 3)
+        assert [e["logprob"] for e in others] == pytest.approx(tops, abs=1e-6)
+        if own["rank"] <= 2:  # among the top ones: one entry, which the ranks order
+            assert own in others
+        else:
+            assert own["logprob"] <= tops[-1] + 1e-6
+    ids = server.client().post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
+    chat_plp = chat["prompt_logprobs"]
+    assert len(chat_plp) == len(ids) and chat_plp[0] is None
+    assert all(list(e) == [str(t)] and e[str(t)]["rank"] >= 1 for e, t in zip(chat_plp[1:], ids[1:]))
+    assert [(x.status_code, error_of(x)["param"]) for x in refused] == [(400, "prompt_logprobs")] * 3 + [
+        (422, "prompt_logprobs")], [x.text for x in refused]
+
+
 def test_echo_with_max_tokens_0_answers_the_prompt_alone(server):
     """`echo` with max_tokens 0 (how HELM and older lm-eval score a text) was a 400. As OpenAI's
     completions and vLLM: the prompt alone, its tokens' log-probs, finish_reason "length", no
