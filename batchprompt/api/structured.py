@@ -3,9 +3,11 @@ grammar, OpenAI's response_format) turned into engine parameters, and results ch
 parsed on the way back."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, replace
+from decimal import Decimal
 from typing import Any, Sequence
 
 from ..engine import SamplingParams
@@ -149,6 +151,9 @@ class OutputSpec:
                 if asked_stop and result.finish_reason == "stop" and not complete:
                     return result
                 return replace(result, error=f"the output does not parse as the schema asks: {e}")
+            rounded = _rounded_onto_bound(result.text, self.grammar.source) if self.model_class is None else None
+            if rounded is not None:
+                return replace(result, error=rounded)
             return replace(result, parsed=parsed)
         return result
 
@@ -160,6 +165,59 @@ class OutputSpec:
                                          f"generated) before the output completed the {kind}: shorten the prompt")
         return replace(result, error=f"the output reached max_tokens ({made}) "
                                      f"before it completed the {kind}: raise max_tokens")
+
+
+def _rounded_onto_bound(text: str, schema: str) -> str | None:
+    """Why the JSON answer `text` breaks its schema once parsed, where it does: a number written
+    strictly inside an exclusive bound that reads as a float exactly on it ("0.99999999999999999"
+    under exclusiveMaximum 1 is 1.0). The grammar allows the text, and `parsed` failed the schema
+    (a pydantic model's `lt` refuses it itself)."""
+    bounds = _exclusive_bounds(schema)
+    if not bounds:
+        return None
+    found: list[str] = []
+
+    def read(number: str) -> float:
+        value = float(number)
+        if value in bounds and Decimal(number) != Decimal(value):
+            found.append(number)
+        return value
+
+    json.loads(text, parse_float=read)
+    if not found:
+        return None
+    return (f"the output's number {found[0]} lies inside the schema's exclusive bound, but as a float it reads "
+            f"{float(found[0])!r}, the bound itself, which the schema excludes")
+
+
+@functools.lru_cache(maxsize=64)  # a job's rows share one schema
+def _exclusive_bounds(schema: str) -> frozenset[float]:
+    """The schema's exclusive numeric bounds, wherever they are (exclusiveMinimum/Maximum as
+    numbers, or draft 4's `true` beside minimum/maximum)."""
+    out: set[float] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for x in node:
+                walk(x)
+            return
+        if not isinstance(node, dict):
+            return
+        for key, plain in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+            v = node.get(key)
+            if v is True and _is_number(node.get(plain)):
+                out.add(float(node[plain]))
+            elif _is_number(v):
+                out.add(float(v))
+        for x in node.values():
+            walk(x)
+
+    walk(json.loads(schema))
+    return frozenset(out)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _special_ids(tokenizer) -> set[int]:

@@ -72,7 +72,8 @@ class ModelRunner:
         index = torch.tensor(rows, device=logits.device)
         full, base = logits.index_select(0, index).float(), norm.index_select(0, index)[:, None]
         most = max(k for k, _ in asked.values())
-        values, ids = torch.topk(full, most, dim=-1) if most else (full[:, :0], full[:, :0].long())
+        width = min(most + 1, full.shape[1]) if most else 0  # one more: see top_pairs
+        values, ids = torch.topk(full, width, dim=-1) if most else (full[:, :0], full[:, :0].long())
         values, ids = (values - base).tolist(), ids.tolist()
         chosen_logits = full.gather(1, inputs.score_tokens.index_select(0, index)[:, None])
         chosen = (chosen_logits - base).squeeze(1).tolist()
@@ -82,7 +83,7 @@ class ModelRunner:
             rid, pos = inputs.score_owners[row]
             k, rank = asked[rid]
             if k:
-                out.prompt_top.setdefault(rid, []).append((pos, list(zip(ids[i][:k], values[i][:k]))))
+                out.prompt_top.setdefault(rid, []).append((pos, top_pairs(ids[i], values[i], k)))
             if rank:
                 out.prompt_ranks.setdefault(rid, []).append((pos, ranks[i]))
             own.setdefault(rid, []).append((pos, chosen[i]))

@@ -72,11 +72,18 @@ def sample(logits: torch.Tensor, chunks: list[ScheduledChunk],
         for j, (i, v) in enumerate(zip(want, picked)):
             k = chunks[i].params.top_logprobs
             if k:
-                values, ids = raw_lp[j].topk(k)
-                logprobs[i] = Logprob(v, list(zip(ids.tolist(), values.tolist())))
+                values, ids = raw_lp[j].topk(min(k + 1, raw_lp.shape[1]))
+                logprobs[i] = Logprob(v, top_pairs(ids.tolist(), values.tolist(), k))
             else:
                 logprobs[i] = v
     return chosen, logprobs
+
+
+def top_pairs(ids: list[int], values: list[float], k: int) -> list[tuple[int, float]]:
+    """The k most likely (token id, log-prob) of topk's k + 1, equal values in token id order:
+    greedy's argmax takes the first of equal ones, so the chosen token comes first among its
+    equals here too (topk's order of ties is its own; bfloat16 logits tie often)."""
+    return sorted(zip(ids, values), key=lambda pair: (-pair[1], pair[0]))[:k]
 
 
 def adjust_logits(row: torch.Tensor, chunk: ScheduledChunk) -> None:

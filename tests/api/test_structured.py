@@ -346,6 +346,22 @@ def test_a_cut_output_from_a_backend_that_cannot_tell_is_complete_only_if_json_p
     assert OutputSpec.from_options(regex="a+").finish(bp.Result(0, "aaa", "length"), complete=True).ok
 
 
+def test_a_number_inside_an_exclusive_bound_that_a_float_rounds_onto_it_is_an_error():
+    """"0.99999999999999999999" fits exclusiveMaximum 1 as text, and the grammar allows it, but it
+    parsed to 1.0: the result was ok with a `parsed` that broke its own schema."""
+    schema = {"type": "object", "properties": {"p": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+                                               "q": {"type": "number", "minimum": 0, "maximum": 5,
+                                                     "exclusiveMaximum": True}}}
+    spec = OutputSpec.from_options(json_schema=schema)
+    for text in ('{"p": 0.99999999999999999999, "q": 1}', '{"p": 0.5, "q": 4.99999999999999999999}',
+                 '{"p": 1e-400, "q": 1}'):
+        r = spec.finish(bp.Result(0, text, "stop"), complete=True)
+        assert not r.ok and "exclusive bound" in r.error and r.parsed is None, (text, r)
+    fine = spec.finish(bp.Result(0, '{"p": 0.9999, "q": 1.5}', "stop"), complete=True)
+    assert fine.ok and fine.parsed == {"p": 0.9999, "q": 1.5}
+    jsonschema.validate(fine.parsed["p"], schema["properties"]["p"])
+
+
 def test_bad_structured_options_are_clear_errors(lm, messages):
     with pytest.raises(ValueError, match="one structured-output option"):
         lm.batch_prompt(messages[:1], choices=["a", "b"], regex="a")

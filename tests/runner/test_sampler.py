@@ -94,6 +94,19 @@ def test_top_logprobs_are_the_k_most_likely_of_the_raw_distribution():
     assert not hasattr(plain, "top")
 
 
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_the_greedy_token_comes_first_among_top_logprobs_of_equal_value(k):
+    """In bfloat16 two tokens' logits are often equal: argmax takes the lower id, and topk's order
+    put the other first ("chosen 506, top [(5248, -0.84), (506, -0.84)]")."""
+    vocab = 4096
+    logits = torch.full((1, vocab), -5.0, dtype=torch.bfloat16)
+    logits[0, [7, 900, 3000]] = 2.0  # three equal at the top
+    logits[0, 11] = 1.0
+    tokens, lps = sample(logits.clone(), [chunk(SamplingParams(top_logprobs=k, **GREEDY))])
+    assert tokens == [7]
+    assert [t for t, _ in lps[0].top] == [7, 900, 3000][:k]
+
+
 @pytest.mark.parametrize("options", [dict(temperature=1e-300), dict(temperature=1.0, top_p=1e-300),
                                      dict(temperature=1.0, repetition_penalty=1e-300)],
                          ids=["temperature", "top_p", "repetition_penalty"])
