@@ -54,6 +54,10 @@ def _check_items(items: list[Any], pad_token: dict[str, Any]) -> None:
             if not _array_like(value):
                 raise TypeError(f"with tensors=True or pad_token, an item's values are numpy arrays, torch tensors "
                                 f"or lists of numbers; its {key!r} is {_kind(value)}")
+            if key in pad_token and not _shape(value):  # it was stacked as [B], and the output blamed
+                raise ValueError(f"an item's {key!r} is a single number (0-d), but pad_token pads {key!r} along "
+                                 f"its first dimension: give it as a [L] array (a number of a key that pad_token "
+                                 f"does not name is stacked as [B])")
     first = items[0]
     for item in items[1:]:
         if item.keys() != first.keys():

@@ -273,6 +273,8 @@ def test_an_infinite_bucket_boundary_is_refused():
     ([1, 2, 3], TypeError, "an item is a dict of numpy arrays or torch tensors"),
     ({"ids": torch.arange(2)}, ValueError, "no 'input_ids', which pad_token names"),
     ({"input_ids": "abc"}, TypeError, "its 'input_ids' is a str"),
+    ({"input_ids": torch.tensor(5)}, ValueError, "'input_ids' is a single number"),  # was stacked as [B], and the
+    ({"input_ids": 5}, ValueError, "'input_ids' is a single number"),  # output's shape () blamed
 ])
 def test_a_tensor_item_that_does_not_stack_fails_alone_naming_why(bad, error, words):
     """Such an item reached the function in a batch: a list raised AttributeError ('keys'), a
