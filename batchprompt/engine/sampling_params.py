@@ -89,6 +89,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         for name in ("ignore_eos", "include_stop_str_in_output"):  # "no" was taken as true
             _check(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
+        _check(self.max_tokens is not None, "max_tokens must be an integer >= 1, got None: vLLM's None (up to the "
+               "end of the context) is not taken here; give a number (a request stops at the context's end anyway)")
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         # NaN compares false with everything and inf passes ">= 0", so finiteness is its own test

@@ -23,6 +23,7 @@ from batchprompt.engine import SamplingParams
     ({"top_k": 2.5}, r"top_k must be an integer"),
     ({"max_tokens": True}, r"max_tokens must be an integer >= 1"),
     ({"max_tokens": math.inf}, r"max_tokens must be an integer"),
+    ({"max_tokens": None}, r"vLLM's None \(up to the end of the context\) is not taken here; give a number"),
     ({"seed": 2**64}, r"seed must be a 64-bit integer"),
     ({"seed": -2**63 - 1}, r"seed must be a 64-bit integer"),
     ({"seed": 1.5}, r"seed must be a 64-bit integer"),
