@@ -13,7 +13,7 @@ from ..models.ops import TORCH_OPS
 from ..steps import ModelRunnerOutput, SchedulerOutput
 from .inputs import build_inputs
 from .kv_tensors import KVTensors
-from .sampler import sample
+from .sampler import sample, top_pairs
 
 
 class ModelRunner:
