@@ -91,6 +91,12 @@ class LLMEngine:
         # thread's generate() goes through it, and its add_request() or step() are refused: they
         # raced the service's (each took the other's requests).
         self.driver: tuple[threading.Thread, Callable[[Callable[[], Any]], Any]] | None = None
+        # generate() calls of several threads run one after another; the thread whose call runs,
+        # meanwhile the only one whose add_request(), step() or abort() is taken (two calls took
+        # each other's requests: KeyError, failed rows, or a step that failed).
+        self._generate_lock = threading.RLock()
+        self._generating: threading.Thread | None = None
+        self._discarded: set[str] = set()  # requests of a generate() that raised: their outputs are dropped
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, *, dtype: str | torch.dtype = "auto",
@@ -126,27 +132,42 @@ class LLMEngine:
         scheduler.py; ignored when `priority_scheduling` is off)."""
         self._check_not_driven("add_request")
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):  # vLLM's order is add_request(request_id, prompt, params)
+            raise TypeError(f"add_request(prompt, params=None, request_id=None, priority=0): params must be a "
+                            f"SamplingParams, got a {type(params).__name__} (vLLM's LLMEngine takes the request id "
+                            f"first; here it is request_id=...)")
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got a {type(request_id).__name__}")
         priority = int(priority) if self.config.priority_scheduling else 0
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids, problem = _prompt_ids(prompt, self.tokenizer)
         req = self._new_request(request_id, ids, params, priority)
-        problem = (problem or self._validate(ids) or sampling_problem(params, self.model.args.vocab_size)
-                   or self._prepare_structured(req))
-        if problem:
-            req.finish("error", problem)
-            self._rejected.append(req)
-        elif params.num_samples > 1:  # samples queued together: the prompt's blocks are shared
-            req.matcher = None
-            children = [self._new_request(sample_id(request_id, i), ids, child_params(params, i), priority)
-                        for i in range(params.num_samples)]
-            self._samples.add(req, children)
-            for child in children:
-                self._prepare_structured(child)
-                self.scheduler.add(child)
-        else:
-            self.scheduler.add(req)
+        added: list[Request] = []
+        try:
+            problem = (problem or self._validate(ids) or sampling_problem(params, self.model.args.vocab_size)
+                       or self._prepare_structured(req))
+            if problem:
+                req.finish("error", problem)
+                self._rejected.append(req)
+            elif params.num_samples > 1:  # samples queued together: the prompt's blocks are shared
+                req.matcher = None
+                children = [self._new_request(sample_id(request_id, i), ids, child_params(params, i), priority)
+                            for i in range(params.num_samples)]
+                added.extend(children)
+                self._samples.add(req, children)
+                for child in children:
+                    self._prepare_structured(child)
+                    self.scheduler.add(child)
+            else:
+                self.scheduler.add(req)
+        except BaseException:  # nothing of it stays: a ghost request kept has_unfinished() true for ever
+            for r in (req, *added):
+                self._requests.pop(r.request_id, None)
+                self.scheduler.finish(r)
+            self._samples.discard(req)
+            raise
         return request_id
 
     def _new_request(self, request_id: str, ids: list[int], params: SamplingParams, priority: int = 0) -> Request:
@@ -211,15 +232,24 @@ class LLMEngine:
         return driver[1]
 
     def _check_not_driven(self, what: str) -> None:
+        generating = self._generating
+        if generating is not None and generating is not threading.current_thread():
+            raise RuntimeError(
+                f"{what}() from another thread while {generating.name}'s generate() runs this engine: the two would "
+                f"take each other's requests. Call generate() (calls of several threads run one after another), "
+                f"or use a LanguageModel session, which any thread may call")
         if self._driven_from_elsewhere() is not None:
             raise RuntimeError(
                 f"{what}() from another thread while a LanguageModel session's engine thread steps this engine: the "
                 f"two would take each other's requests. Use generate() (it runs between the sessions' steps), "
                 f"or release the engine first (close() its last session, or bp.shutdown(engine))")
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request; it comes back from the next `step()` with finish_reason 'abort'."""
+    def abort(self, request_id: str | Iterable[str]) -> bool:
+        """Stop a request (or each of several, as vLLM's abort_request takes them); it comes back
+        from the next `step()` with finish_reason 'abort'. Whether one was stopped."""
         self._check_not_driven("abort")
+        if not isinstance(request_id, str):
+            return any([self.abort(rid) for rid in request_id])
         req = self._requests.get(request_id)
         if req is None or req.is_finished or req.parent is not None:
             return False
@@ -288,6 +318,10 @@ class LLMEngine:
         self._check_not_driven("step")
         self._inside_s = 0.0
         done = self._samples.collect(self._step(pause), self._requests, self._drop_sample)
+        if self._discarded:
+            kept = [o for o in done if o.request_id not in self._discarded]
+            self._discarded.difference_update(o.request_id for o in done)
+            done = kept
         if self._held:
             held, self._held = self._held, []
             return held + done
@@ -624,10 +658,21 @@ class LLMEngine:
         run_there = self._driven_from_elsewhere()
         if run_there is not None:  # a session's service steps this engine: run there, between its steps
             return run_there(lambda: self.generate(prompts, params, progress))
+        with self._generate_lock:  # another thread's call runs first, whole
+            outer = self._generating
+            self._generating = threading.current_thread()
+            try:
+                return self._generate(prompts, params, progress)
+            finally:
+                self._generating = outer
+
+    def _generate(self, prompts, params, progress: bool) -> list[RequestOutput]:
         if isinstance(prompts, (bytes, bytearray)):
             raise TypeError("generate() takes text as str (decode the bytes) or token ids as a list of ints")
-        one = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and bool(prompts)
-                                           and all(type(t) is int for t in prompts))
+        if getattr(prompts, "ndim", None) == 0:
+            raise TypeError(f"generate() takes prompts, not a single number ({type(prompts).__name__} of 0 dimensions)")
+        one = (isinstance(prompts, (str, dict)) or getattr(prompts, "ndim", None) == 1  # token ids as an array
+               or (isinstance(prompts, (list, tuple)) and bool(prompts) and all(type(t) is int for t in prompts)))
         prompts = [prompts] if one else list(prompts)
         if params is None or isinstance(params, SamplingParams):
             plist = [params] * len(prompts)
@@ -641,33 +686,62 @@ class LLMEngine:
         bad = next((p for p in plist if p is not None and not isinstance(p, SamplingParams)), None)
         if bad is not None:
             raise TypeError(f"params must be a SamplingParams or a list of them, got a {type(bad).__name__} in it")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        mine = set(ids)
+        ids: list[str] = []
         results: dict[str, RequestOutput] = {}
         bar = None
-        if progress:
-            from tqdm import tqdm
+        try:
+            for p, sp in zip(prompts, plist):
+                ids.append(self.add_request(p, sp))
+            mine = set(ids)
+            if progress:
+                from tqdm import tqdm
 
-            from ..progress_bar import width_options
-            bar = tqdm(total=len(ids), unit="prompt", **width_options())
-        while len(results) < len(ids):
-            finished = [o for o in self.step() if o.request_id in mine or self._held.append(o)]
-            for o in finished:
-                results[o.request_id] = o
-            if bar is not None and finished:
-                bar.update(len(finished))
-        if bar is not None:
-            bar.close()
+                from ..progress_bar import width_options
+                bar = tqdm(total=len(ids), unit="prompt", **width_options())
+            while len(results) < len(ids):
+                finished = [o for o in self.step() if o.request_id in mine or self._held.append(o)]
+                for o in finished:
+                    results[o.request_id] = o
+                if bar is not None and finished:
+                    bar.update(len(finished))
+        except BaseException:  # Ctrl-C, or a step that raised: the call's requests stop, and their outputs
+            self._drop_unreturned([i for i in ids if i not in results])  # are not handed to a later step()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [results[i] for i in ids]
+
+    def _drop_unreturned(self, ids: list[str]) -> None:
+        for rid in ids:
+            req = self._requests.get(rid)
+            if req is not None and not req.is_finished:
+                self.abort(rid)
+            self._discarded.add(rid)
+        self._held = [o for o in self._held if o.request_id not in self._discarded]
 
 
 def _prompt_ids(prompt, tokenizer) -> tuple[list[int], str | None]:
     """A prompt's token ids, or an error for what is neither text nor token ids."""
+    if isinstance(prompt, dict):  # vLLM's TextPrompt and TokensPrompt
+        keys = set(prompt) - {"multi_modal_data", "mm_processor_kwargs", "cache_salt"}
+        if keys == {"prompt_token_ids"} or keys == {"prompt"}:
+            (key,) = keys
+            if prompt.get("multi_modal_data"):
+                return [], "multi_modal_data: this engine runs text models only"
+            if isinstance(prompt[key], str) != (key == "prompt"):
+                return [], f"a prompt dict's {key!r} is {'text' if key == 'prompt' else 'a list of token ids'}"
+            return _prompt_ids(prompt[key], tokenizer)
+        return [], (f"a prompt dict (vLLM's TextPrompt or TokensPrompt) has one of 'prompt' (text) or "
+                    f"'prompt_token_ids', got the keys {sorted(map(str, prompt))}")
     if isinstance(prompt, str):
         if tokenizer is None:
             return [], "this engine has no tokenizer: give the prompt as token ids"
-        return tokenizer.encode(prompt), None
-    if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
+        try:
+            return tokenizer.encode(prompt), None
+        except (ValueError, TypeError, UnicodeError) as e:  # a lone surrogate: this prompt fails, not the call
+            return [], str(e) or f"the prompt cannot be tokenized ({type(e).__name__})"
+    if isinstance(prompt, bytes) or not hasattr(prompt, "__iter__"):
         return [], f"a prompt is a string or a list of token ids, got {type(prompt).__name__}"
     raw = list(prompt)
     if all(type(t) is int for t in raw):

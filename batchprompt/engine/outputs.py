@@ -2,10 +2,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 # ScheduledChunk, SchedulerOutput and ModelRunnerOutput live in batchprompt/steps.py (a leaf that
 # both the engine and the runner import); re-exported for code that imported them from here.
 from ..steps import ModelRunnerOutput, ScheduledChunk, SchedulerOutput  # noqa: F401
+
+
+class CompletionOutput(NamedTuple):
+    """One sample of a request, in the shape of vLLM's CompletionOutput (`out.outputs[0].text`),
+    for code written against vLLM's LLM.generate. `logprobs`: the chosen tokens' log-probs, a
+    float each (vLLM gives a dict per position), where asked."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[float] | None
+    finish_reason: str
+    stop_reason: str | int | None
 
 
 @dataclass
@@ -44,3 +59,17 @@ class RequestOutput:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    # vLLM's RequestOutput reads: a finished request's samples as CompletionOutputs.
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        return [CompletionOutput(i, s.text, list(s.output_token_ids),
+                                 None if s.logprobs is None else sum(s.logprobs), s.logprobs, s.finish_reason,
+                                 s.stop_reason)
+                for i, s in enumerate(self.samples or [self])]
+
+    @property
+    def finished(self) -> bool:
+        """Always true: the engine hands back finished requests only (vLLM's streaming outputs are
+        `add_request`'s output_ids() here)."""
+        return True

@@ -44,6 +44,9 @@ class Request:
     # A stop string counts only where it ends past this many characters of the output text:
     # the text of the first min_tokens tokens (vLLM's rule).
     stop_floor: int = 0
+    # The output text's characters searched for stop strings so far (a new token's text may be
+    # long: "\n" and 23 spaces is one token, and a stop string in its start was missed).
+    stop_scanned: int = 0
     first_token_time: float | None = None
     matcher: Any = None  # the grammar's state (llguidance LLMatcher) when params.grammar is set
     prompt_logprobs: dict[int, float] = field(default_factory=dict)  # prompt token index -> log-prob

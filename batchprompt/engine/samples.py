@@ -42,6 +42,14 @@ class SampleGroups:
             parent.pending_children.add(c.request_id)
             self.owner[c.request_id] = parent.request_id
 
+    def discard(self, parent: Request) -> None:
+        """Forget a parent whose adding failed part way (its samples are not running)."""
+        self.parents.pop(parent.request_id, None)
+        self.done.pop(parent.request_id, None)
+        for cid in parent.pending_children:
+            self.owner.pop(cid, None)
+        parent.pending_children.clear()
+
     def collect(self, outputs: list[RequestOutput], requests: dict[str, Request],
                 drop: Callable[[Request], None]) -> list[RequestOutput]:
         """Outputs of a step with the samples' outputs gathered into their parent's (emitted

@@ -143,6 +143,9 @@ class SamplingParams:
                              f"or give strings of one character or more")
         object.__setattr__(self, "score_choices", tuple(tuple(c) for c in self.score_choices))
         _check(all(self.score_choices), "score_choices must be non-empty token id lists")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):  # a dict failed in add_request
+            raise TypeError(f"grammar must be a batchprompt Grammar (Grammar.regex(...), Grammar.json_schema(...), "
+                            f"Grammar.choices(...), Grammar.lark(...)), got a {type(self.grammar).__name__}")
         _check(not (self.grammar is not None and self.score_choices),
                "give either a grammar or score_choices, not both")
         _check(self.prompt_logprobs_from is None or self.prompt_logprobs_from >= 1,

@@ -22,8 +22,10 @@ def check_stop(req: Request, eos_token_ids: frozenset[int], max_model_len: int, 
         if len(req.output_token_ids) == p.min_tokens:  # as vLLM: a stop string counts once it ends after these tokens
             req.stop_floor = len(text.rstrip("\ufffd"))
         else:
-            # Only the tail can hold a new match: what came before was checked at earlier steps.
-            tail_from = max(0, len(text) - max(len(s) for s in p.stop) - 16)
+            # Only a match that ends in the new text: what came before was searched at earlier steps
+            # (all of the new text, however long its tokens; a few characters more, for a character
+            # that a token completed).
+            tail_from = max(0, req.stop_scanned - max(len(s) for s in p.stop) - 4)
             hits = [(i, i + len(s), s) for i, s in ((text.find(s, max(tail_from, req.stop_floor - len(s) + 1)), s)
                                                     for s in p.stop) if i >= 0]
             if hits:
@@ -31,6 +33,7 @@ def check_stop(req: Request, eos_token_ids: frozenset[int], max_model_len: int, 
                 req.stop_text_len = end if p.include_stop_str_in_output else start
                 req.stop_reason = matched
                 return "stop"
+            req.stop_scanned = len(text.rstrip("\ufffd"))
     if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= max_model_len:
         return "length"
     return None

@@ -91,6 +91,31 @@ def test_stop_string_kept_or_cut(include, text_len):
     assert req.stop_text_len == text_len
 
 
+class WideTokenizer:
+    """Token 0 is "\n" and 23 spaces, as SmolLM2 has; the others one letter each."""
+
+    def decode(self, ids):
+        return "".join("\n" + " " * 23 if i == 0 else chr(ord("a") + i) for i in ids)
+
+
+@pytest.mark.parametrize("tokens, stop, text_len", [
+    ((1, 0), "\n", 1),  # "b" then "\n" + 23 spaces: the "\n" is 24 characters from the end
+    ((1, 2, 0), "c\n", 1),  # across the boundary with the token before
+    ((0,), "\n", 0),
+])
+def test_a_stop_string_at_the_start_of_a_long_token_is_found(tokens, stop, text_len):
+    """Only the last longest-stop + 16 characters were searched: stop=["\n"] was missed where one
+    token wrote "\n" and 23 spaces (code), and the output ran on to the next newline."""
+    req = Request("r", [0], SamplingParams(stop=(stop,)))
+    found = None
+    for t in tokens:
+        req.append_token(t, None)
+        found = check_stop(req, frozenset(), 100, WideTokenizer())
+        if found:
+            break
+    assert found == "stop" and req.stop_text_len == text_len and req.stop_reason == stop
+
+
 @pytest.mark.parametrize("ignore_eos, reason", [(False, None), (True, 1)])
 def test_an_eos_that_is_also_a_stop_token_id_is_no_stop_reason(ignore_eos, reason):
     # As vLLM checks EOS first: stop_token_ids=[eos] answered stop_reason = the EOS id.
