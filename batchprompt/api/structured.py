@@ -248,8 +248,10 @@ def _from_response_format(fmt: Any, json_schema: Any) -> Any:
                if isinstance(inner, dict) and "schema" in inner else "")
         raise ValueError('response_format of type json_schema needs {"json_schema": {"name": ..., '
                          '"schema": {...}}}' + got)
+    shown = json.dumps(fmt, default=repr, ensure_ascii=False)  # as JSON: what an HTTP client sent
     raise ValueError(f'response_format must be {{"type": "json_schema", "json_schema": {{...}}}}, '
-                     f'{{"type": "json_object"}}, {{"type": "text"}} or a pydantic model class; got {fmt!r}')
+                     f'{{"type": "json_object"}}, {{"type": "text"}} (or, in Python, a pydantic model class); '
+                     f'got {shown if len(shown) <= 60 else shown[:57] + "..."}')
 
 
 def _checked(option: str, grammar: Grammar) -> Grammar:
@@ -271,6 +273,14 @@ def _checked_schema(option: str, schema: Any) -> Grammar:
             raise ValueError(f'{e}; the grammar engine cannot enforce it: remove it from the schema, or give the '
                              f'schema "x-guidance": {{"lenient": true}} to have it ignored (answers may then not '
                              f'meet it)') from None
+        if "oneOf constraints are not supported" in str(e):  # its "coerce_one_of option" is an x-guidance key
+            raise ValueError(f'{e}: give the schema "x-guidance": {{"coerce_one_of": true}} to take its oneOf as '
+                             f'anyOf (an answer may then match more than one branch), or make the branches '
+                             f'exclude each other') from None
+        if "integer range" in str(e):  # it showed 64-bit bounds, not those given, as Rust's Some(...)
+            raise ValueError(f"bad {option} (fix it): an integer's minimum or maximum lies beyond 64-bit integers "
+                             f"(-9223372036854775808 to 9223372036854775807), which the grammar engine cannot "
+                             f"bound: give bounds within them") from None
         if grammar_problem(Grammar.json_schema(schema, JSON_DEFAULTS, close=False)) is not None:
             raise
         raise ValueError(f'{e}; that is after batchprompt closed its objects ("additionalProperties": false on '

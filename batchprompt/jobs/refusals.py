@@ -195,6 +195,9 @@ def param_named(message: str, body: dict) -> str | None:
     first = message.removeprefix("bad ").split(" ", 1)[0].rstrip(":,;").split(".", 1)[0]
     if first in body:
         return first
+    if message.startswith("give one structured-output option per call, got "):  # the second given names it
+        named = message.rsplit(" and ", 1)[-1].split(" ", 1)[0]
+        return named if named in body else next((f for f in STRUCTURED_FIELDS if body.get(f) is not None), None)
     if first in STRUCTURED_WORDS:
         return next((f for f in STRUCTURED_FIELDS if body.get(f) is not None), None)
     return None

@@ -152,7 +152,10 @@ def _params(row: Row, opts: JobOptions, tokenizer, max_model_len: int):
         if spec is not None:
             params = spec.sampling_params(params, tokenizer, max_model_len)
     except (TypeError, ValueError) as e:
-        raise ApiError(400, str(e), "invalid_parameter", refusals.param_named(str(e), row.body)) from None
+        message, param = str(e), refusals.param_named(str(e), row.body)
+        if param == "guided_json" and message.startswith("json_schema "):  # the field the request named
+            message = "guided_json" + message.removeprefix("json_schema")
+        raise ApiError(400, message, "invalid_parameter", param) from None
     return params, n, spec
 
 

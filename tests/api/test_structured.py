@@ -243,6 +243,11 @@ def test_a_rejected_schema_fails_its_call_before_any_work(lm, messages):
     # JSON Schema's `false` matches nothing (it said "must be a dict", and a response_format one
     # "its schema is bool, not a JSON object")
     ({"json_schema": False}, "`false`, which no JSON value matches"),
+    # llguidance's "Enable 'coerce_one_of' option" said not where; its integer range error showed
+    # 64-bit bounds, not those given, as Rust's Some(...)
+    ({"json_schema": {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": 10}]}},
+     r'"x-guidance": \{"coerce_one_of": true\}'),
+    ({"json_schema": {"type": "integer", "minimum": -10**20, "maximum": 10**20}}, "beyond 64-bit integers"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": False}}},
      "`false`, which no JSON value matches"),
 ])

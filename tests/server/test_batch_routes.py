@@ -121,6 +121,8 @@ def test_sync_takes_the_batch_apis_structured_options(server):
     ({"prompts": ["x"], "colour": "red"}, 400, "colour"),  # not an option of the batch API
     ({"prompts": ["x"], "max_tokens": 0}, 400, "max_tokens"),  # param was null
     ({"prompts": ["x"], "regex": "("}, 400, "regex"),
+    ({"prompts": ["x"], "regex": "a", "choices": ["a"]}, 400, "regex"),  # two constraints: param was null
+    ({"prompts": ["x"], "grammar": "start: \"a\"", "regex": "a"}, 400, "grammar"),
     ({"prompts": "x"}, 422, None),
     ({"prompts": ["x"], "model": "other"}, 404, None),
     ({"prompts": ["x"], "callback_url": "ftp://example.com/x"}, 400, None),
@@ -148,6 +150,13 @@ def test_batch_request_errors(server, body, status, param):
     error = error_of(r)
     if param is not None:
         assert error["param"] == param, error
+
+
+def test_sync_names_a_bad_response_format_as_json(server):
+    # It said "... or a pydantic model class; got {'type': 'xml'}", a Python repr.
+    with server.client() as c:
+        r = c.post("/v1/batch/sync", json={"prompts": ["x"], "response_format": {"type": "xml"}})
+    assert r.status_code == 400 and 'got {"type": "xml"}' in error_of(r)["message"], r.text
 
 
 def test_async_batch_reports_progress_and_posts_its_results_to_the_webhook(server, receiver):

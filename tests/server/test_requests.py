@@ -49,6 +49,16 @@ def test_a_chat_refusal_names_the_field(tokenizer, body, param):
     assert (e.value.status, e.value.param) == (400, param), e.value.message
 
 
+@pytest.mark.parametrize("schema", ['"abc"', "[1]"])
+def test_a_guided_json_that_is_no_schema_object_is_named_as_sent(tokenizer, schema):
+    # It said "json_schema must be a dict (a JSON schema) or a pydantic model class, got str".
+    with pytest.raises(ApiError) as e:
+        plan_chat({"messages": M, "guided_json": schema}, tokenizer, 8192)
+    assert (e.value.status, e.value.param) == (400, "guided_json")
+    assert e.value.message.startswith("guided_json must be a JSON schema: an object"), e.value.message
+    assert "pydantic" not in e.value.message and "got a" in e.value.message
+
+
 @pytest.mark.parametrize("fmt", [{"type": "xml"}, {"json_schema": {}}])
 def test_a_bad_response_format_names_only_what_a_body_can_give(tokenizer, fmt):
     # It offered "or a pydantic model class", which only the Python API can give.

@@ -40,8 +40,10 @@ def test_a_boolean_json_schema_is_json_schemas_true_or_false(compiler):
     assert matcher is not None
     with pytest.raises(ValueError, match="`false`, which no JSON value matches"):
         Grammar.json_schema(False)
-    with pytest.raises(ValueError, match="must be a dict"):
+    with pytest.raises(ValueError, match="must be a JSON schema: an object \\(a dict\\), got an array"):
         Grammar.json_schema([])
+    with pytest.raises(ValueError, match="got a string"):  # JSON text whose value is a string: it said "got str"
+        Grammar.json_schema('"abc"')
 
 
 @pytest.mark.parametrize("grammar, message", [
