@@ -85,7 +85,7 @@ class JobSummary:
 
     def __str__(self) -> str:
         # They ran again, or failed as not_run where no replica was left: each is in one file, once.
-        rerun = ([f"{self.rows_rerun} rows were run again after a replica was lost (each row is in the output "
+        rerun = ([f"{self.rows_rerun} rows were sent again after a replica was lost (each row is in the output "
                   f"or errors file once)"] if self.rows_rerun else [])
         not_run = ([f"{self.not_run} of the failed rows did not run for want of a backend (see the errors file): "
                     f"they are not journaled; run the same command again to run them"] if self.not_run else [])

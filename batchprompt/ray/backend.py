@@ -37,7 +37,7 @@ log = logging.getLogger("batchprompt")
 
 #: Times an item may be lost with its replica before it fails alone (it may crash the engine).
 MAX_ATTEMPTS = 3
-SHUT_DOWN = "the Ray replicas were shut down (LanguageModel.close() or backend.shutdown())"
+SHUT_DOWN = "the Ray replicas were shut down (bp.shutdown(), LanguageModel.close() or backend.shutdown())"
 SHUT_DOWN_AT_EXIT = "the Ray replicas were shut down as the Python interpreter exited (the script ended)"
 RAY_DOWN = ("Ray was shut down in this process (ray.shutdown()) while this ran; the finished rows are kept: "
             "create the session again to run the rest")

@@ -22,6 +22,9 @@ from typing import Any
 log = logging.getLogger("batchprompt")
 RAY_MISSING = "Ray is not installed: pip install 'batchprompt[ray]'"
 CONNECT_TIMEOUT_S = 5.0  # a head that does not accept a connection in this time is an error
+# The batchprompt backends running on Ray in this process (of any RayCluster object): Ray is
+# per process, so the Ray that one object started ends only when none is left.
+_running: set = set()
 
 
 class ClusterError(RuntimeError):
@@ -270,6 +273,8 @@ class RayCluster:
             with self._lock:
                 if backend_ref[0] is not None and self._backends.get(key) is backend_ref[0]:
                     del self._backends[key]
+            _running.discard(backend_ref[0])
+            self._release_ray()
 
         backend_ref: list = [None]
         backend = RayBackend(handles, lambda info: driver_tokenizer(model, info),
@@ -277,7 +282,20 @@ class RayCluster:
                              start_timeout_s=self.start_timeout_s, recover_timeout_s=self.recover_timeout_s,
                              on_shutdown=forget)
         backend_ref[0] = backend
+        _running.add(backend)
         return backend
+
+    def _release_ray(self) -> None:
+        """The Ray this object started (a local one, or its connection to a cluster) ends with the
+        last batchprompt backend on it: bp.shutdown() left a local Ray's processes (its GCS,
+        raylet and agents, a few hundred MB) running until the process exited."""
+        import ray
+
+        if not self._started_ray or _running:
+            return
+        self._started_ray = False
+        if ray.is_initialized():
+            ray.shutdown()
 
 
 def driver_tokenizer(model: str | None, info):

@@ -380,7 +380,7 @@ class RemoteBackend(StopCounts):
                 return
             self.router.slack_tokens = self._affinity_slack()
             e = self.router.choose(head.item.token_ids, candidates, head.avoid)
-            sb = self.queue.take(self._budget(e), self.pool.batch_prompts if self.pool.use_batch else 1)
+            sb = self.queue.take(self._budget(e), self.pool.batch_prompts if self.pool.use_batch else 1, e.index)
             if sb is None:
                 return
             self._launch(sb, e)
@@ -465,6 +465,8 @@ class RemoteBackend(StopCounts):
         self._in_flight_items += len(sb.works)
         for w in sb.works:
             sb.source.in_engine[w.item.request_id] = w.item
+            if w.first_sent is None:
+                w.first_sent = sb.started
         self.router.record(e, [w.item.token_ids for w in sb.works])
         sb.task = self.loop.create_task(self._send(sb, e))
 
@@ -602,6 +604,8 @@ class RemoteBackend(StopCounts):
         twin = sb.twin
         if twin is not None and twin.task is not None and not twin.task.done():
             twin.twin = None  # the twin goes on alone: its failure is then retried as any
+            for w in sb.works:  # and not on this endpoint again (it was left out of their avoid)
+                w.avoid = w.avoid | {e.index}
             self._note_fault(e, err)
             return
         if err.endpoint_fault:
@@ -628,6 +632,10 @@ class RemoteBackend(StopCounts):
             return
         self._requeue([w], e, err, delay=backoff(self.pool.backoff_s, w.attempts + 1))
 
+    @staticmethod
+    def _since(w: Work) -> str:
+        return "" if w.first_sent is None else f" over {time.monotonic() - w.first_sent:.0f}s"
+
     def _note_server_error(self, e: Endpoint, err: EndpointError) -> None:
         """A warning once an endpoint has answered several requests in a row with a 5xx (a
         server behind a broken proxy, a failing model): its work is retried, then fails."""
@@ -640,6 +648,12 @@ class RemoteBackend(StopCounts):
     def _note_fault(self, e: Endpoint, err: EndpointError) -> None:
         if not err.endpoint_fault:
             return
+        if err.kind == "timeout" and not e.timeout_warned:  # the wait was silent (300 s by default)
+            e.timeout_warned = True
+            log.warning("%s (a server that takes requests and never answers?): its prompts are tried again, on "
+                        "another endpoint where one is alive; a second timeout takes it as down. A request may "
+                        "take up to the timeout (EndpointPool(timeout=...), batchprompt run --request-timeout)",
+                        err.message)
         if err.kind in ("connection", "gateway", "auth", "model") or (err.kind == "timeout" and e.failures >= 1):
             self._mark_dead(e, err.message)
         else:  # a 429/503, or a first timeout: the endpoint slows down
@@ -658,12 +672,14 @@ class RemoteBackend(StopCounts):
                 if w.failing_since is None:
                     w.failing_since = time.monotonic()
             if w.attempts > self.pool.max_retries:  # the endpoints' fault (a 5xx, a timeout): retryable
-                self._finish_error(w, f"failed after {w.attempts} tries; the last: {err.message}",
+                self._finish_error(w, f"failed after {w.attempts} tries{self._since(w)}; the last: {err.message}",
                                    retryable=err.kind != "request")
                 continue
             if count and time.monotonic() - w.failing_since > self.pool.give_up_after:  # tries that take long
-                self._finish_error(w, f"failed for {self.pool.give_up_after:g}s ({w.attempts} tries); the last: "
-                                      f"{err.message}", retryable=err.kind != "request")
+                # It said "failed for 10s" (give_up_after) of tries that had taken 40 s (two timeouts).
+                self._finish_error(w, f"gave up after {w.attempts} tries{self._since(w)} (give_up_after "
+                                      f"{self.pool.give_up_after:g}s from the first failure); the last: {err.message}",
+                                   retryable=err.kind != "request")
                 continue
             w.avoid = w.avoid | {e.index}
             again.append(w)

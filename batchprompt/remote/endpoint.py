@@ -62,6 +62,7 @@ class Endpoint:
         self.alive = True
         self.dead_reason: str | None = None
         self.failures = 0  # consecutive endpoint faults
+        self.timeout_warned = False  # a request of it got no answer within the timeout (said once)
         self.server_errors = 0  # consecutive 5xx answers (none succeeded since)
         self.backoff_until = 0.0
         self.max_model_len: int | None = None  # as the endpoint reports it (vLLM's model card)

@@ -30,6 +30,7 @@ class Work:
     tokens: int  # prompt + max_tokens: what it may cost the endpoint
     attempts: int = 0  # failed tries so far
     failing_since: float | None = None  # time.monotonic() of its first failed try
+    first_sent: float | None = None  # time.monotonic() its first try was sent (a failure's message)
     avoid: frozenset[int] = frozenset()  # the endpoints that failed it
     cap: int | None = None  # after a split: the most prompts its sub-batch may hold
     answered: bool = False
@@ -117,9 +118,12 @@ class WorkQueue:
             return next(k for k in live if self._sources[k].priority == top)
         return None
 
-    def take(self, budget_tokens: int, max_prompts: int) -> SubBatch | None:
+    def take(self, budget_tokens: int, max_prompts: int, endpoint: int | None = None) -> SubBatch | None:
         """Cut the next sub-batch: the head work, then works of its source with the same
-        parameters, within `budget_tokens` and `max_prompts` (the head goes whatever its size)."""
+        parameters, within `budget_tokens` and `max_prompts` (the head goes whatever its size).
+        `endpoint`: the index of the endpoint it goes to; works that endpoint failed stay queued
+        (the head's own were avoided in choosing it, but a retry that rode along with a fresh
+        head went back to a server answering 500 to everything, and failed there again)."""
         key = self._pick()
         if key is None:
             return None
@@ -131,7 +135,7 @@ class WorkQueue:
         scanned = 0
         while q and len(works) < max_prompts and scanned < LOOKAHEAD:
             w = q[0]
-            if w.params != head.params:
+            if w.params != head.params or (endpoint is not None and endpoint in w.avoid):
                 kept.append(q.popleft())
                 scanned += 1
                 continue

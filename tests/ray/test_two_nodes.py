@@ -130,7 +130,7 @@ def test_a_lost_nodes_rows_run_on_the_other(two_nodes, tmp_path):
         killer.join(30)
         assert killed, "node B's workers were not killed during the job"
         assert summary.ok == N and summary.failed == 0
-        assert summary.rows_rerun > 0 and "were run again after a replica was lost" in str(summary)
+        assert summary.rows_rerun > 0 and "were sent again after a replica was lost" in str(summary)
         got = answers(out)
         assert [a[0] for a in got] == [f"sms-{i}" for i in range(N)]  # every custom_id once, in order
         assert got == answers(tmp_path / "ref.jsonl")

@@ -98,7 +98,8 @@ def test_give_up_after_bounds_the_tries_of_work_that_keeps_failing(proxy):
     t0 = time.monotonic()
     with pool_of([proxy.url], backoff_s=0.5, max_retries=50, give_up_after=3) as pool:
         got = bp.LanguageModel.create(model=pool, max_tokens=2).batch_prompt(PROMPTS[:2])
-    assert all(r.retryable and r.error.startswith("failed for 3s (") for r in got), got
+    assert all(r.retryable and r.error.startswith("gave up after ") and "give_up_after 3s" in r.error
+               for r in got), got
     assert time.monotonic() - t0 < 60
 
 
@@ -111,6 +112,20 @@ def test_a_timeout_is_retried(two_servers, proxy, reference):
         stats = pool.endpoint_stats()
     assert [r.text for r in got] == want
     assert stats[0]["errors"] == 1 and stats[0]["prompts"] == 4
+
+
+def test_an_endpoint_that_never_answers_is_named_and_its_prompts_fail_in_bounded_time(proxy, caplog):
+    """A server that takes requests and never answers kept the caller waiting in silence (the
+    timeout, 300 s by default, per try), and the error said "failed for 10s" of tries that took
+    40 s. A warning names it at its first timeout; the error gives the real time."""
+    proxy.plan("delay:120", 10_000)
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="batchprompt"), pool_of([proxy.url], timeout=2, backoff_s=0.05,
+                                                                   give_up_after=1) as pool:
+        got = bp.LanguageModel.create(model=pool, max_tokens=2).batch_prompt(PROMPTS[:2])
+    assert time.monotonic() - t0 < 60  # a bound on waiting, not a speed figure
+    assert all(r.retryable and r.error for r in got), got
+    assert any("never answers?" in m and "no answer within 2s" in m for m in caplog.messages), caplog.messages
 
 
 def test_a_late_sub_batch_is_hedged_on_an_idle_endpoint(two_servers, proxy, reference):

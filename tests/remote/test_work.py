@@ -25,6 +25,19 @@ def test_budget_parameters_and_order():
     assert not q and q.queued_tokens == 0
 
 
+def test_a_retry_does_not_ride_along_to_an_endpoint_that_failed_it():
+    """A sub-batch is routed by its head's failures: a retry behind a fresh head went with it to
+    an endpoint that had already failed that retry (a server answering 500 to everything), used up
+    its tries there, and failed beside a healthy server."""
+    q, s = WorkQueue(), Source()
+    ws = _works(s, 4)
+    ws[1].avoid = frozenset({7})
+    q.add(ws)
+    assert q.take(1000, 100, endpoint=7).works == [ws[0], ws[2], ws[3]]
+    assert q.take(1000, 100, endpoint=3).works == [ws[1]]
+    assert not q and q.queued_tokens == 0
+
+
 def test_split_halves_are_not_joined_again():
     q, s = WorkQueue(), Source()
     ws = _works(s, 4)
