@@ -222,7 +222,7 @@ def test_completion_logprobs_count_is_top_logprobs(server):
     ({"prompt": "hi", "echo": True, "stream": True}, "unsupported_parameter"),  # echo alone is taken, as vLLM
     ({"prompt": "hi", "suffix": "!"}, "unsupported_parameter"),
     ({"prompt": "hi", "use_beam_search": True}, "unsupported_parameter"),
-    ({"prompt": "hi", "prompt_logprobs": 1}, "unsupported_parameter"),
+    ({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "unsupported_parameter"),  # taken alone, as vLLM
     ({"prompt": "hi", "logprobs": 21}, "invalid_parameter"),
     ({"prompt": "hi", "presence_penalty": 3}, "invalid_parameter"),
     ({"prompt": "hi", "logit_bias": {"7": 500}}, "invalid_parameter"),
