@@ -8,21 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from batchprompt import EngineConfig, LLMEngine, SamplingParams
-from batchprompt.models import build_model, load_hf_weights, resolve_model
+from batchprompt import SamplingParams
 
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+from .test_engine import GREEDY, engine, tiny_model  # noqa: F401  (tiny_model: a fixture)
+
 PROMPTS = [[5, 9, 30, 41, 7], [8, 8, 60, 2 + 1], [50, 51, 52, 53, 54, 55, 56]]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tiny_model_dir):
-    args, weights = load_hf_weights(resolve_model(tiny_model_dir))
-    return build_model(args, weights, torch.float32, torch.device("cpu"))
-
-
-def engine(model, **cfg) -> LLMEngine:
-    return LLMEngine.from_model(model, None, EngineConfig(**cfg))
 
 
 def tokens(outs) -> list[list[int]]:
