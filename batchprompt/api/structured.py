@@ -151,9 +151,9 @@ class OutputSpec:
                 if asked_stop and result.finish_reason == "stop" and not complete:
                     return result
                 return replace(result, error=f"the output does not parse as the schema asks: {e}")
-            rounded = _rounded_onto_bound(result.text, self.grammar.source) if self.model_class is None else None
-            if rounded is not None:
-                return replace(result, error=rounded)
+            unreadable = _number_problem(result.text, self.grammar.source) if self.model_class is None else None
+            if unreadable is not None:
+                return replace(result, error=unreadable)
             return replace(result, parsed=parsed)
         return result
 
@@ -167,27 +167,32 @@ class OutputSpec:
                                      f"before it completed the {kind}: raise max_tokens")
 
 
-def _rounded_onto_bound(text: str, schema: str) -> str | None:
-    """Why the JSON answer `text` breaks its schema once parsed, where it does: a number written
-    strictly inside an exclusive bound that reads as a float exactly on it ("0.99999999999999999"
-    under exclusiveMaximum 1 is 1.0). The grammar allows the text, and `parsed` failed the schema
-    (a pydantic model's `lt` refuses it itself)."""
+def _number_problem(text: str, schema: str) -> str | None:
+    """Why the JSON answer `text`, which its grammar allows, breaks its schema or JSON once its
+    numbers are read as floats, where it does: a number written strictly inside an exclusive bound
+    that reads exactly on it ("0.99999999999999999" under exclusiveMaximum 1 is 1.0, which the
+    schema excludes), or one too large for a float ("4e9999" is inf, which JSON cannot write).
+    (A pydantic model's `lt` refuses the first itself.)"""
     bounds = _exclusive_bounds(schema)
-    if not bounds:
-        return None
-    found: list[str] = []
+    found: list[tuple[str, str]] = []
 
     def read(number: str) -> float:
         value = float(number)
-        if value in bounds and Decimal(number) != Decimal(value):
-            found.append(number)
+        if math.isinf(value):
+            found.append((number, "overflow"))
+        elif value in bounds and Decimal(number) != Decimal(value):
+            found.append((number, "bound"))
         return value
 
     json.loads(text, parse_float=read)
     if not found:
         return None
-    return (f"the output's number {found[0]} lies inside the schema's exclusive bound, but as a float it reads "
-            f"{float(found[0])!r}, the bound itself, which the schema excludes")
+    number, why = found[0]
+    shown = number if len(number) <= 40 else number[:37] + "..."
+    if why == "overflow":
+        return f"the output's number {shown} is too large for a float (it reads as inf, which JSON cannot write)"
+    return (f"the output's number {shown} lies inside the schema's exclusive bound, but as a float it reads "
+            f"{float(number)!r}, the bound itself, which the schema excludes")
 
 
 @functools.lru_cache(maxsize=64)  # a job's rows share one schema
@@ -281,6 +286,9 @@ def _checked_schema(option: str, schema: Any) -> Grammar:
             raise ValueError(f"bad {option} (fix it): an integer's minimum or maximum lies beyond 64-bit integers "
                              f"(-9223372036854775808 to 9223372036854775807), which the grammar engine cannot "
                              f"bound: give bounds within them") from None
+        if "float range" in str(e):  # "min=Some(1e20), max=None"
+            raise ValueError(f"bad {option} (fix it): a number's minimum or maximum is too large for the grammar "
+                             f"engine to bound (about 9e18 at most): give a smaller bound") from None
         if grammar_problem(Grammar.json_schema(schema, JSON_DEFAULTS, close=False)) is not None:
             raise
         raise ValueError(f'{e}; that is after batchprompt closed its objects ("additionalProperties": false on '

@@ -26,7 +26,9 @@ class TextStream:
         # The incomplete character first, then the stop strings' hold-back: the other order counted
         # a half-made emoji's U+FFFD among the held-back characters and sent the stop string's first.
         complete = self._decode(self._ids).rstrip("\ufffd")
-        ready = complete[:len(complete) - self._hold] if self._hold else complete
+        # Not below 0: a text shorter than the hold-back sliced from its end ("abc"[:-1]), and a stop
+        # string longer than the text so far had its first characters sent.
+        ready = complete[:max(0, len(complete) - self._hold)] if self._hold else complete
         if len(ready) <= len(self.sent) or not ready.startswith(self.sent):
             return ""
         piece, self.sent = ready[len(self.sent):], ready

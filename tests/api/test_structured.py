@@ -248,6 +248,7 @@ def test_a_rejected_schema_fails_its_call_before_any_work(lm, messages):
     ({"json_schema": {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": 10}]}},
      r'"x-guidance": \{"coerce_one_of": true\}'),
     ({"json_schema": {"type": "integer", "minimum": -10**20, "maximum": 10**20}}, "beyond 64-bit integers"),
+    ({"json_schema": {"type": "number", "exclusiveMaximum": 1e300}}, "too large for the grammar engine to bound"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": False}}},
      "`false`, which no JSON value matches"),
 ])
@@ -362,6 +363,8 @@ def test_a_number_inside_an_exclusive_bound_that_a_float_rounds_onto_it_is_an_er
                  '{"p": 1e-400, "q": 1}'):
         r = spec.finish(bp.Result(0, text, "stop"), complete=True)
         assert not r.ok and "exclusive bound" in r.error and r.parsed is None, (text, r)
+    huge = OutputSpec.from_options(json_schema={"type": "number"}).finish(bp.Result(0, "4e99999", "stop"), complete=True)
+    assert not huge.ok and "too large for a float" in huge.error  # it was ok, with .parsed inf
     fine = spec.finish(bp.Result(0, '{"p": 0.9999, "q": 1.5}', "stop"), complete=True)
     assert fine.ok and fine.parsed == {"p": 0.9999, "q": 1.5}
     jsonschema.validate(fine.parsed["p"], schema["properties"]["p"])

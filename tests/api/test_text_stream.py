@@ -19,6 +19,17 @@ def test_a_stop_string_of_emoji_is_not_sent_while_its_last_character_is_half_mad
     assert stream.finish("") == ""
 
 
+def test_a_stop_string_longer_than_the_text_so_far_is_held_back_whole():
+    """With stop ["The capital of France is Paris"], a stream sent "The capital of Fran" and the
+    answer was "": a text shorter than the hold-back was sliced from its end (text[:-n])."""
+    stream = TextStream(_bytes_decode, stop=["The capital of France is Paris"])
+    sent = "".join(stream.push([b]) for b in "The capital of France is Pari".encode())
+    assert sent == ""
+    assert stream.finish("") == ""
+    cjk = TextStream(_bytes_decode, stop=["日本語日本"])
+    assert "".join(cjk.push([b]) for b in "日本語日".encode()) == ""
+
+
 def test_text_is_sent_as_it_becomes_certain_and_the_rest_at_the_end():
     stream = TextStream(_bytes_decode, stop=["STOP"])
     pieces = [stream.push([b]) for b in "héllo 🎉 wörld".encode()]
