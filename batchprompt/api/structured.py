@@ -68,8 +68,7 @@ class OutputSpec:
                     model_class, json_schema = json_schema, json_schema.model_json_schema()
                 return cls(_checked_schema(schema_option, json_schema), model_class=model_class)
             except RecursionError:  # a raw RecursionError (900 levels, or a dict that holds itself)
-                raise ValueError(f"bad {schema_option} (fix it): nested too deeply, or it holds itself; for a "
-                                 f"recursive structure, refer to a definition with $ref") from None
+                raise ValueError(_too_deep(schema_option)) from None
         return None
 
     def sampling_params(self, params: SamplingParams, tokenizer, max_model_len: int | None = None) -> SamplingParams:
@@ -267,6 +266,11 @@ def _checked(option: str, grammar: Grammar) -> Grammar:
     return grammar
 
 
+def _too_deep(option: str) -> str:
+    return (f"bad {option} (fix it): nested too deeply, or it holds itself; for a recursive structure, refer to a "
+            f"definition with $ref")
+
+
 def _checked_schema(option: str, schema: Any) -> Grammar:
     """_checked for a JSON schema, whose objects are closed: where only the closing makes it
     unusable ("minProperties": 2 with one property listed), the error says so and how to open it."""
@@ -278,6 +282,8 @@ def _checked_schema(option: str, schema: Any) -> Grammar:
             raise ValueError(f'{e}; the grammar engine cannot enforce it: remove it from the schema, or give the '
                              f'schema "x-guidance": {{"lenient": true}} to have it ignored (answers may then not '
                              f'meet it)') from None
+        if "recursion limit exceeded" in str(e):  # the grammar engine's JSON reader: "at line 1 column 2451"
+            raise ValueError(_too_deep(option)) from None
         if "oneOf constraints are not supported" in str(e):  # its "coerce_one_of option" is an x-guidance key
             raise ValueError(f'{e}: give the schema "x-guidance": {{"coerce_one_of": true}} to take its oneOf as '
                              f'anyOf (an answer may then match more than one branch), or make the branches '
