@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..api.callbacks import CallbackThread
 from ..api.result import EngineStoppedError
 from ..backends.base import Item, Source, StopCounts, answer, stopped_output
-from ..engine import EngineStats, RequestOutput
+from ..engine import EngineStats, RequestOutput, SamplingParams
 from . import wire
 from .endpoint import Endpoint, backoff
 from .errors import EndpointError
