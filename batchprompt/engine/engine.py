@@ -181,7 +181,7 @@ class LLMEngine:
 
     def has_callers_requests(self) -> bool:
         """Whether requests that a caller added itself (not a session's service) are in the engine."""
-        return any(not r.by_driver for r in self._requests.values())
+        return any(not r.by_driver and rid not in self._discarded for rid, r in self._requests.items())
 
     def _validate(self, ids: list[int]) -> str | None:
         if not ids:
@@ -279,7 +279,8 @@ class LLMEngine:
         self.kv.unpin(name)
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests) or bool(self._held)
+        # An interrupted generate()'s requests, stopped, whose outputs the next step drops, count as done.
+        return bool(self._held) or any(rid not in self._discarded for rid in self._requests)
 
     def output_ids(self, request_id: str) -> list[int] | None:
         """The tokens a running request has made so far (a copy), for streaming them as they

@@ -96,6 +96,7 @@ def test_an_interrupted_generate_leaves_no_request_and_no_output_behind(tiny_mod
     with pytest.raises(KeyboardInterrupt):
         eng.generate(PROMPTS, GREEDY)
     monkeypatch.setattr(eng, "_step", real_step)
+    assert not eng.has_unfinished()  # at once (it was true until a step dropped the stopped requests)
     stale = []
     for _ in range(100):  # vLLM's loop: while has_unfinished(): step()
         if not eng.has_unfinished():
