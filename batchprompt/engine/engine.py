@@ -97,6 +97,7 @@ class LLMEngine:
         self._generate_lock = threading.RLock()
         self._generating: threading.Thread | None = None
         self._discarded: set[str] = set()  # requests of a generate() that raised: their outputs are dropped
+        self._stepping: threading.Thread | None = None  # the thread inside step(), while it is
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, *, dtype: str | torch.dtype = "auto",
@@ -318,7 +319,11 @@ class LLMEngine:
         full."""
         self._check_not_driven("step")
         self._inside_s = 0.0
-        done = self._samples.collect(self._step(pause), self._requests, self._drop_sample)
+        self._stepping = threading.current_thread()
+        try:
+            done = self._samples.collect(self._step(pause), self._requests, self._drop_sample)
+        finally:
+            self._stepping = None
         if self._discarded:
             kept = [o for o in done if o.request_id not in self._discarded]
             self._discarded.difference_update(o.request_id for o in done)
@@ -372,8 +377,8 @@ class LLMEngine:
 
     def _step(self, pause: Callable[[], None] | None) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        done = [self._finish_output(r) for r in self._rejected]
-        self._rejected.clear()
+        rejected, self._rejected = self._rejected, []  # taken first: one that raised was retried at every step
+        done = [self._finish_output(r) for r in rejected]
         if not self.scheduler.has_work:
             return done
         while True:  # more than once only when the device ran out of memory
@@ -627,21 +632,21 @@ class LLMEngine:
         first = req.params.prompt_logprobs_from
         if first is None or req.error is not None:
             return None
-        return [req.prompt_logprobs[p] for p in range(first, req.num_prompt_tokens)]
+        return _positions(req.prompt_logprobs, first, req.num_prompt_tokens)
 
     @staticmethod
     def _prompt_tops(req: Request) -> list[list[tuple[int, float]]] | None:
         first = req.params.prompt_logprobs_from
         if first is None or not req.params.prompt_top_logprobs or req.error is not None:
             return None
-        return [req.prompt_top[p] for p in range(first, req.num_prompt_tokens)]
+        return _positions(req.prompt_top, first, req.num_prompt_tokens)
 
     @staticmethod
     def _prompt_ranks(req: Request) -> list[int] | None:
         first = req.params.prompt_logprobs_from
         if first is None or not req.params.prompt_ranks or req.error is not None:
             return None
-        return [req.prompt_ranks[p] for p in range(first, req.num_prompt_tokens)]
+        return _positions(req.prompt_ranks, first, req.num_prompt_tokens)
 
     @property
     def stats(self) -> EngineStats:
@@ -659,6 +664,10 @@ class LLMEngine:
         run_there = self._driven_from_elsewhere()
         if run_there is not None:  # a session's service steps this engine: run there, between its steps
             return run_there(lambda: self.generate(prompts, params, progress))
+        if self._stepping is threading.current_thread():  # a signal handler, or a function a step calls
+            raise RuntimeError("generate() inside a step of this engine (from a signal handler, or from a function "
+                               "the step calls): the step's requests would be taken from under it; call it after "
+                               "the step, or from another thread")
         with self._generate_lock:  # another thread's call runs first, whole
             outer = self._generating
             self._generating = threading.current_thread()
@@ -716,10 +725,21 @@ class LLMEngine:
     def _drop_unreturned(self, ids: list[str]) -> None:
         for rid in ids:
             req = self._requests.get(rid)
-            if req is not None and not req.is_finished:
+            if req is None:  # gone already: no output of it is to come (kept, the id would drop a later one's)
+                continue
+            if not req.is_finished:
                 self.abort(rid)
             self._discarded.add(rid)
         self._held = [o for o in self._held if o.request_id not in self._discarded]
+
+
+def _positions(values: dict, first: int, end: int) -> list | None:
+    """`values` at prompt positions first..end-1, or None where some were never computed (a
+    request stopped before its prompt was: reading them raised KeyError, and every later step
+    raised again, for good)."""
+    if any(p not in values for p in range(first, end)):
+        return None
+    return [values[p] for p in range(first, end)]
 
 
 def _prompt_ids(prompt, tokenizer) -> tuple[list[int], str | None]:

@@ -32,7 +32,8 @@ def unsupported(params: SamplingParams) -> str | None:
         return ("choice_mode='score' needs the engine's label scoring, which OpenAI-compatible servers do not offer: "
                 "use choice_mode='decode' (the default) with a pool of endpoints")
     if params.prompt_logprobs_from is not None:
-        return "prompt log-probs are not available from a pool of endpoints: run this model locally"
+        return ("prompt log-probs (a completion's echo with logprobs, or prompt_logprobs) are not available from a "
+                "pool of endpoints: run this model locally, or leave them out")
     return None
 
 

@@ -147,3 +147,35 @@ def test_outputs_read_as_vllms_request_output(tiny_model):
     many = eng.generate(PROMPTS[0], SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=3, ignore_eos=True))[0]
     assert [s.token_ids for s in many.outputs] == [s.output_token_ids for s in many.samples]
     assert [s.index for s in many.outputs] == [0, 1, 2] and many.outputs[0].cumulative_logprob is None
+
+
+def test_a_request_stopped_before_its_prompt_log_probs_were_computed_leaves_the_engine_working(tiny_model):
+    """Reading the prompt's log-probs of such a request raised KeyError, and every later step and
+    generate() raised again (KeyError 'req-0'), for good: a Ctrl-C in a generate() asking for
+    them, or a client that left an `echo` request, broke the engine."""
+    eng = engine(tiny_model)
+    asks = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs_from=1, prompt_top_logprobs=2,
+                          prompt_ranks=True)
+    rid = eng.add_request(PROMPTS[2], asks)
+    assert eng.abort(rid)
+    [out] = eng.step()
+    assert out.finish_reason == "abort" and out.prompt_logprobs is None and out.prompt_ranks is None
+    assert tokens(eng.generate(PROMPTS, GREEDY)) == tokens(engine(tiny_model).generate(PROMPTS, GREEDY))
+
+
+def test_generate_inside_a_step_of_the_same_thread_is_refused(tiny_model, monkeypatch):
+    """A signal handler's generate() ran in the middle of the outer call's step: the outer call
+    raised KeyError and lost its results."""
+    eng = engine(tiny_model)
+    real_step, seen = eng._step, []
+
+    def step_that_calls_back(*a, **k):
+        if not seen:
+            with pytest.raises(RuntimeError, match="inside a step of this engine"):
+                eng.generate(PROMPTS[:1], GREEDY)
+            seen.append(1)
+        return real_step(*a, **k)
+
+    monkeypatch.setattr(eng, "_step", step_that_calls_back)
+    assert tokens(eng.generate(PROMPTS, GREEDY)) == tokens(engine(tiny_model).generate(PROMPTS, GREEDY))
+    assert seen and not eng._discarded
