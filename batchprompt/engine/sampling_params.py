@@ -153,7 +153,8 @@ class SamplingParams:
         _check(_is_int(self.prompt_top_logprobs) and 0 <= self.prompt_top_logprobs <= MAX_TOP_LOGPROBS
                and (not self.prompt_top_logprobs or self.prompt_logprobs_from is not None),
                f"prompt_top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, with prompt_logprobs_from")
-        _check(not self.prompt_ranks or self.prompt_logprobs_from is not None, "prompt_ranks needs prompt_logprobs_from")
+        _check(not self.prompt_ranks or self.prompt_logprobs_from is not None,
+               "prompt_ranks needs prompt_logprobs_from")
         _check(not (self.score_choices and self.num_samples > 1),  # it named score_choices, a field of ours
                "n and best_of do not apply to choice_mode='score': each label's probability is computed once; "
                "leave them out, or use choice_mode='decode' to sample")

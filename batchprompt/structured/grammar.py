@@ -69,7 +69,8 @@ class Grammar:
                              "fits (`true` or `{}` for any JSON)")
         if not isinstance(schema, dict):  # "got str" read as the text's type, where its JSON was a string
             kind = {str: "a string", list: "an array", int: "a number", float: "a number"}.get(type(schema))
-            raise ValueError(f"json_schema must be a JSON schema: an object (a dict), got {kind or type(schema).__name__}")
+            raise ValueError(f"json_schema must be a JSON schema: an object (a dict), "
+                             f"got {kind or type(schema).__name__}")
         schema = close_objects(schema) if close else schema
         return cls("json_schema", json.dumps(_with_options(schema, options)))  # key order kept
 

@@ -368,7 +368,8 @@ def test_a_number_inside_an_exclusive_bound_that_a_float_rounds_onto_it_is_an_er
                  '{"p": 1e-400, "q": 1}'):
         r = spec.finish(bp.Result(0, text, "stop"), complete=True)
         assert not r.ok and "exclusive bound" in r.error and r.parsed is None, (text, r)
-    huge = OutputSpec.from_options(json_schema={"type": "number"}).finish(bp.Result(0, "4e99999", "stop"), complete=True)
+    number = OutputSpec.from_options(json_schema={"type": "number"})
+    huge = number.finish(bp.Result(0, "4e99999", "stop"), complete=True)
     assert not huge.ok and "too large for a float" in huge.error  # it was ok, with .parsed inf
     fine = spec.finish(bp.Result(0, '{"p": 0.9999, "q": 1.5}', "stop"), complete=True)
     assert fine.ok and fine.parsed == {"p": 0.9999, "q": 1.5}
