@@ -140,9 +140,12 @@ class OutputSpec:
         if self.grammar.is_json:
             if cut and complete is False:  # "1" of an integer >= 100000 parses, but is no answer
                 return self._cut(result, max_tokens)
+            unreadable = None
             try:
-                parsed = (self.model_class.model_validate_json(result.text) if self.model_class is not None
-                          else json.loads(result.text))
+                if self.model_class is not None:
+                    parsed = self.model_class.model_validate_json(result.text)
+                else:
+                    parsed, unreadable = _read_json(result.text, self.grammar.source)
             except ValueError as e:  # json.JSONDecodeError and pydantic's ValidationError
                 # A remote server cannot say whether a cut output is complete: it is if it parses.
                 if cut:
@@ -150,7 +153,6 @@ class OutputSpec:
                 if asked_stop and result.finish_reason == "stop" and not complete:
                     return result
                 return replace(result, error=f"the output does not parse as the schema asks: {e}")
-            unreadable = _number_problem(result.text, self.grammar.source) if self.model_class is None else None
             if unreadable is not None:
                 return replace(result, error=unreadable)
             return replace(result, parsed=parsed)
@@ -166,11 +168,12 @@ class OutputSpec:
                                      f"before it completed the {kind}: raise max_tokens")
 
 
-def _number_problem(text: str, schema: str) -> str | None:
-    """Why the JSON answer `text`, which its grammar allows, breaks its schema or JSON once its
-    numbers are read as floats, where it does: a number written strictly inside an exclusive bound
-    that reads exactly on it ("0.99999999999999999" under exclusiveMaximum 1 is 1.0, which the
-    schema excludes), or one too large for a float ("4e9999" is inf, which JSON cannot write).
+def _read_json(text: str, schema: str) -> tuple[Any, str | None]:
+    """The JSON answer `text` parsed (json.loads' errors raised), and why it breaks its schema or
+    JSON once its numbers are read as floats, where it does (else None), though its grammar allows
+    it: a number written strictly inside an exclusive bound that reads exactly on it
+    ("0.99999999999999999" under exclusiveMaximum 1 is 1.0, which the schema excludes), or one too
+    large for a float ("4e9999" is inf, which JSON cannot write).
     (A pydantic model's `lt` refuses the first itself.)"""
     bounds = _exclusive_bounds(schema)
     found: list[tuple[str, str]] = []
@@ -183,15 +186,16 @@ def _number_problem(text: str, schema: str) -> str | None:
             found.append((number, "bound"))
         return value
 
-    json.loads(text, parse_float=read)
+    parsed = json.loads(text, parse_float=read)  # once: the answer's value and its numbers' check
     if not found:
-        return None
+        return parsed, None
     number, why = found[0]
     shown = number if len(number) <= 40 else number[:37] + "..."
     if why == "overflow":
-        return f"the output's number {shown} is too large for a float (it reads as inf, which JSON cannot write)"
-    return (f"the output's number {shown} lies inside the schema's exclusive bound, but as a float it reads "
-            f"{float(number)!r}, the bound itself, which the schema excludes")
+        return parsed, (f"the output's number {shown} is too large for a float (it reads as inf, which JSON cannot "
+                        f"write)")
+    return parsed, (f"the output's number {shown} lies inside the schema's exclusive bound, but as a float it reads "
+                    f"{float(number)!r}, the bound itself, which the schema excludes")
 
 
 @functools.lru_cache(maxsize=64)  # a job's rows share one schema

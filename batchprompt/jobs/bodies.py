@@ -91,9 +91,9 @@ def whole_numbers(schema: Type[BaseModel], body: dict[str, Any]) -> dict[str, An
         ids = body.get(k)
         if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
             if any(map(_has_whole_float, ids)):
-                whole[k] = [_ids(x) for x in ids]
+                whole[k] = [_as_ints(x) if _has_whole_float(x) else x for x in ids]
         elif _has_whole_float(ids):
-            whole[k] = _ids(ids)
+            whole[k] = _as_ints(ids)
     return {**body, **whole} if whole else body
 
 
@@ -110,8 +110,8 @@ def _has_whole_float(ids: Any) -> bool:
             and all(_whole(x) or (isinstance(x, int) and not isinstance(x, bool)) for x in ids))
 
 
-def _ids(ids: list) -> list:
-    return [int(x) for x in ids] if _has_whole_float(ids) else ids
+def _as_ints(ids: list) -> list[int]:
+    return [int(x) for x in ids]
 
 
 @functools.cache  # per body model, not per body: a job's rows each ask
