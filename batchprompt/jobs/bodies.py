@@ -140,12 +140,31 @@ def wrong_types(errors) -> tuple[str, str | None]:
     """(message, param) of the 422 naming the first field that is wrong (all of them in the
     message), from pydantic's errors: what the endpoints answer a body of wrong types with, a
     Batch API row and a `run` line too."""
-    errors = list(errors)
+    errors = _token_id_errors(list(errors))
     params = [".".join(str(p) for p in err.get("loc", ()) if p != "body" and not _type_tag(p)) for err in errors]
     shown = "; ".join(f"{p or 'body'}: {err.get('msg')}{_given(err)}" for p, err in list(zip(params, errors))[:4])
     if len(errors) > 4:
         shown += f" (and {len(errors) - 4} more)"
     return f"invalid request: {shown}", params[0] if params else None
+
+
+def _token_id_errors(errors: list[dict]) -> list[dict]:
+    """`errors` with a token-id list's fractions alone, where a field's value is a list of numbers
+    (or of such lists) that holds one: `"prompt": [1, 2.5]` fails as a list of token ids, not
+    also as text and a list of texts."""
+    fractions = [err for err in errors if _fraction(err)]
+    fields = {err["loc"][:-3 if err["loc"][-3] == "list[list[int]]" else -2] for err in fractions}
+    if not fractions:
+        return errors
+    shown = [{**err, "msg": "token ids are whole numbers"} for err in fractions]
+    return shown + [err for err in errors if not any(err["loc"][:len(f)] == f for f in fields)]
+
+
+def _fraction(err: dict) -> bool:
+    """An error for a number with a fraction where a list of token ids holds an integer."""
+    loc, value = err.get("loc", ()), err.get("input")
+    in_ids = (len(loc) >= 3 and loc[-2] == "list[int]") or (len(loc) >= 4 and loc[-3] == "list[list[int]]")
+    return in_ids and isinstance(value, float) and not _whole(value)
 
 
 #: What pydantic puts in an error's location for the member of a union that failed ("stop.str"):

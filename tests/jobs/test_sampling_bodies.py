@@ -75,6 +75,22 @@ def test_a_field_of_the_wrong_type_fails_an_openai_line_as_the_endpoint_does(bod
     assert openai_io.row_error_line(err)["response"]["status_code"] == 422
 
 
+@pytest.mark.parametrize("prompt, param, got", [
+    ([1.0, 2.5, 3], "prompt.1", "2.5"), ([[1, 2], [504, 0.5]], "prompt.1.1", "0.5"),
+])
+def test_a_token_id_with_a_fraction_is_named_alone(prompt, param, got):
+    """`"prompt": [1.0, 2.5, 3]` was answered with seven errors of the union's other members
+    ("prompt: Input should be a valid string, ..."); the id that is not whole is named alone."""
+    def line(prompt):
+        return read_jsonl(json.dumps({"custom_id": "a", "url": COMPLETION, "body": {"prompt": prompt}}).encode())[0]
+
+    err = line(prompt)
+    assert (err.code, err.param) == ("invalid_type", param), err
+    assert err.message.endswith(f"invalid request: {param}: token ids are whole numbers, got {got}"), err.message
+    # A list that is not all numbers is not a list of ids: each member's error is given, as before
+    assert "valid string" in line([1, "a"]).message
+
+
 def test_stop_as_a_completion_rows_list_or_string():
     assert row_params(row(COMPLETION, stop="\n"), OPTS)[0].stop == ("\n",)
     assert row_params(row(COMPLETION, stop=["a", "b"]), OPTS)[0].stop == ("a", "b")
