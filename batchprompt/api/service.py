@@ -131,6 +131,11 @@ class EngineService(StopCounts):
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        """The model's: token ids run from 0 to this, less one."""
+        return self.engine.model.args.vocab_size
+
     def refuses(self, params: SamplingParams) -> str | None:
         return None  # the engine runs every option the API makes
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 import torch
 
 from ..device import check_dtype, resolve_device, resolve_dtype
-from ..models import Tokenizer, build_model, load_hf_weights, resolve_model
+from ..models import Tokenizer, build_model, check_tokenizer_files, load_hf_weights, resolve_model
 from ..models.llama import LlamaModel
 from ..steps import ModelRunnerOutput, SchedulerOutput
 from ..structured import GrammarCompiler, GrammarError
@@ -107,6 +107,7 @@ class LLMEngine:
         dev = resolve_device(device)
         check_dtype(dtype)  # before the weights are read
         source = resolve_model(model)
+        check_tokenizer_files(source)  # before the weights are read
         args, weights = load_hf_weights(source)
         net = build_model(args, weights, resolve_dtype(dtype, dev), dev)
         del weights

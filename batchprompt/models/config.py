@@ -6,11 +6,24 @@ from typing import Any
 
 #: HF `model_type` / GGUF `general.architecture` values this package runs.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+#: The context each architecture's `transformers` config takes where config.json names none.
+DEFAULT_MAX_POSITION = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768}
+#: RoPE scalings computed here: HF's `linear` and `llama3`, and a GGUF's `rope_freqs` factors.
+SUPPORTED_ROPE_SCALINGS = ("linear", "llama3", "freq_factors")
+
+
+class Unsupported(ValueError):
+    """A model file read whole, of a kind or with a part this code does not compute: refused,
+    never run to give wrong answers. `file`: the file that says so, where not the source."""
+
+    def __init__(self, message: str, file=None):
+        super().__init__(message)
+        self.file = file
 
 
 def check_architecture(arch: str) -> None:
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"model architecture {arch!r} is not supported; "
+        raise Unsupported(f"model architecture {arch!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
@@ -28,7 +41,8 @@ class ModelArgs:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     tie_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2 puts a bias on q, k and v
+    attention_bias: bool = False  # a bias on q, k and v (Qwen2's, and Llama's and Qwen3's attention_bias)
+    o_bias: bool = False  # a bias on the attention's output (Llama's and Qwen3's attention_bias)
     qk_norm: bool = False  # Qwen3 normalizes q and k per head
     architecture: str = "llama"
     bos_token_id: int | None = None
@@ -38,6 +52,10 @@ class ModelArgs:
         check_architecture(self.architecture)
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
+        kind = (self.rope_scaling or {}).get("rope_type")
+        if kind is not None and kind not in SUPPORTED_ROPE_SCALINGS:
+            raise Unsupported(f"rope scaling {kind!r} is not supported (supported: linear, llama3, and dynamic "
+                             f"within the original context)")
 
     @property
     def q_size(self) -> int:
@@ -69,13 +87,18 @@ class ModelArgs:
             raise ValueError(f"config.json lacks {', '.join(missing)}")
         # What the model would compute otherwise: refused, never computed without (wrong answers).
         if cfg.get("mlp_bias"):
-            raise ValueError("mlp_bias=true is not supported (the MLP has no bias here)")
+            raise Unsupported("mlp_bias=true is not supported (the MLP has no bias here)")
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
-            raise ValueError(f"hidden_act {act!r} is not supported; the MLP computes silu")
+            raise Unsupported(f"hidden_act {act!r} is not supported; the MLP computes silu")
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        # Where a model's attention is not computed here, its context is cut to where the
+        # answers are the same (as vLLM's --disable-sliding-window cuts it to the window).
+        context = min(n for n in (cfg.get("max_position_embeddings") or DEFAULT_MAX_POSITION[arch],
+                                  sliding_window(cfg, arch), _dynamic_context(cfg)) if n)
+        biased = arch != "mistral" and bool(cfg.get("attention_bias", False))
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -84,12 +107,13 @@ class ModelArgs:
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            max_position=cfg.get("max_position_embeddings", 8192),
+            max_position=context,
             rms_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=_rope_theta(cfg),
             rope_scaling=_rope_scaling(cfg),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            attention_bias=arch == "qwen2" or biased,  # Qwen2's q, k and v have one whatever the config says
+            o_bias=arch != "qwen2" and biased,
             qk_norm=arch == "qwen3",
             architecture=arch,
             bos_token_id=cfg.get("bos_token_id"),
@@ -109,4 +133,29 @@ def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
     if not scaling:
         return None
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    return None if kind == "default" else dict(scaling, rope_type=kind)
+    # "dynamic" (NTK) changes nothing within the original context, to which the model is cut
+    return None if kind in ("default", "dynamic") else dict(scaling, rope_type=kind)
+
+
+def _dynamic_context(cfg: dict[str, Any]) -> int | None:
+    """The context within which a "dynamic" RoPE scaling is the plain one (`transformers`
+    rescales only past it), or None."""
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if scaling.get("rope_type", scaling.get("type")) != "dynamic":
+        return None
+    return scaling.get("original_max_position_embeddings") or cfg.get("max_position_embeddings")
+
+
+def sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
+    """The sliding window of attention that some layer of this config uses in `transformers`
+    (Mistral's `sliding_window`, 4,096 where config.json leaves it out; Qwen2's and Qwen3's with
+    `use_sliding_window`, from layer `max_window_layers` on; or `layer_types`), or None."""
+    window = cfg.get("sliding_window", 4096)
+    if arch == "mistral" or not window:  # Mistral's attention applies it in every layer
+        return window or None
+    if arch == "llama" or not cfg.get("use_sliding_window"):
+        return None
+    types = cfg.get("layer_types")
+    if isinstance(types, list):
+        return window if "sliding_attention" in types else None
+    return window if cfg.get("max_window_layers", 28) < cfg.get("num_hidden_layers", 0) else None

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import ModelArgs
+from .config import ModelArgs, Unsupported
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -51,7 +51,13 @@ def read_gguf(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor], dic
     for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
         if key in reader.fields:
             meta[key] = _field_value(reader.fields[key])
-    args = _args_from_metadata(meta, {t.name for t in reader.tensors})
+    shapes = {t.name: [int(d) for d in reversed(t.shape.tolist())] for t in reader.tensors}
+    args = _args_from_metadata(meta, shapes, _rope_freqs(reader))
+    unknown = [t.name for t in reader.tensors if hf_name(t.name) is None and t.name != "rope_freqs.weight"]
+    if unknown:
+        raise Unsupported(f"this GGUF file holds tensors that this code does not compute ({', '.join(unknown[:3])}"
+                         f"{', ...' if len(unknown) > 3 else ''}): a model of another kind, whose answers would be "
+                         f"wrong here")
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = hf_name(t.name)
@@ -72,8 +78,21 @@ def _field_value(field) -> object:
         return None
 
 
-def _args_from_metadata(meta: dict[str, object], tensor_names: set[str]) -> ModelArgs:
+def _rope_freqs(reader) -> tuple[float, ...] | None:
+    """The factors that llama.cpp's converter writes as the `rope_freqs` tensor (a Llama 3.1's
+    `llama3` RoPE scaling: each frequency is divided by its factor), or None."""
+    import gguf
+
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            return tuple(float(x) for x in gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1))
+    return None
+
+
+def _args_from_metadata(meta: dict[str, object], shapes: dict[str, list[int]],
+                        rope_freqs: tuple[float, ...] | None = None) -> ModelArgs:
     arch = str(meta.get("general.architecture", "llama"))
+    tensor_names = set(shapes)
 
     def get(key: str, default=None):
         return meta.get(f"{arch}.{key}", default)
@@ -83,9 +102,14 @@ def _args_from_metadata(meta: dict[str, object], tensor_names: set[str]) -> Mode
     scaling = None
     if get("rope.scaling.type") not in (None, "none"):
         scaling = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor", 1.0)}
+    if rope_freqs is not None:
+        if scaling is not None:
+            raise Unsupported(f"this GGUF file gives both rope_freqs factors and a {scaling['rope_type']!r} RoPE "
+                             f"scaling; one is expected")
+        scaling = {"rope_type": "freq_factors", "factors": rope_freqs}
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return ModelArgs(
-        vocab_size=_vocab_size(meta, arch),
+        vocab_size=_vocab_size(meta, arch, shapes),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
         num_layers=int(get("block_count")),
@@ -98,6 +122,7 @@ def _args_from_metadata(meta: dict[str, object], tensor_names: set[str]) -> Mode
         rope_scaling=scaling,
         tie_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
+        o_bias="blk.0.attn_output.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         architecture=arch,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
@@ -105,8 +130,11 @@ def _args_from_metadata(meta: dict[str, object], tensor_names: set[str]) -> Mode
     )
 
 
-def _vocab_size(meta: dict[str, object], arch: str) -> int:
-    size = meta.get(f"{arch}.vocab_size")
+def _vocab_size(meta: dict[str, object], arch: str, shapes: dict[str, list[int]]) -> int:
+    """The metadata's vocab_size, or the token embedding's rows (llama.cpp's converter writes
+    the key for Llama only: a Qwen2 file has none)."""
+    size = meta.get(f"{arch}.vocab_size") or shapes.get("token_embd.weight", [0])[0]
     if not size:
-        raise ValueError("this GGUF file has no vocab_size in its metadata; it is not a supported model file")
+        raise ValueError("this GGUF file has neither a vocab_size in its metadata nor a token_embd tensor; it "
+                         "is not a supported model file")
     return int(size)

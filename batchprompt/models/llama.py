@@ -85,7 +85,7 @@ class Attention(nn.Module):
         super().__init__()
         self.a = a
         self.qkv = Dense(a.hidden_size, a.q_size + 2 * a.kv_size, bias=a.attention_bias)
-        self.o = Dense(a.q_size, a.hidden_size)
+        self.o = Dense(a.q_size, a.hidden_size, bias=a.o_bias)
         if a.qk_norm:
             self.q_norm = nn.Parameter(torch.ones(a.head_dim))
             self.k_norm = nn.Parameter(torch.ones(a.head_dim))

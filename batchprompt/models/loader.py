@@ -4,14 +4,17 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .config import ModelArgs
+from .config import SUPPORTED_ARCHITECTURES, ModelArgs, Unsupported, sliding_window
 from .gguf_reader import read_gguf
 from .llama import LlamaModel
+
+log = logging.getLogger("batchprompt")
 
 EMBEDDED_NAMES = ("smollm2-135m", "default", "embedded")
 #: The hub repository the embedded model is a quantization of: the same tokenizer and chat template.
@@ -80,18 +83,71 @@ def _download(repo_id: str) -> Path:
             f"and *.safetensors, or 'smollm2-135m' for the embedded model") from e
 
 
+#: Files one of which a Hugging Face directory's tokenizer is read from.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tokenizer.tiktoken")
+
+
+def check_tokenizer_files(source: ModelSource) -> None:
+    """ModelNotFoundError where a Hugging Face directory holds no tokenizer (before its weights
+    are read)."""
+    if source.kind == "hf_dir" and not any((source.path / f).is_file() for f in TOKENIZER_FILES):
+        raise ModelNotFoundError(f"{source.path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}): "
+                                 f"copy in the tokenizer of the model its weights come from")
+
+
 def load_hf_weights(source: ModelSource) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     """ModelArgs and the Hugging Face-named state dict of a source, weights dense. A file that
     cannot be read as a model (truncated, not a GGUF file, a config of another family) is a
     ModelNotFoundError naming it."""
     try:
-        return _load_hf_weights(source)
+        args, state = _load_hf_weights(source)
+        unused_tensors(args, state)
+        return args, state
     except (ModelNotFoundError, MemoryError):
         raise
+    except Unsupported as e:
+        raise ModelNotFoundError(f"{e.file or source.path}: {e}") from None
     except Exception as e:  # noqa: BLE001 - gguf, safetensors, json and numpy each raise their own
         what = "GGUF file" if source.kind == "gguf" else "Hugging Face model directory"
         raise ModelNotFoundError(f"{source.path} cannot be loaded as a {what}: {type(e).__name__}: {e}. Is it "
-                                 f"complete (not truncated), and a Llama-family model?") from e
+                                 f"complete (not truncated)?") from e
+
+
+#: Tensors a checkpoint may hold that no model computes with (older Llama checkpoints kept the
+#: rotary table).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def unused_tensors(args: ModelArgs, hf: dict[str, torch.Tensor]) -> None:
+    """Unsupported where `hf` holds a tensor that `to_internal_state` leaves out (an o_proj or
+    MLP bias, a classifier's `score.weight`): the model would run without it and answer wrong."""
+    used = set(_used_names(args))
+    if args.tie_embeddings:
+        used.add("lm_head.weight")  # tied: transformers ties it to the embedding too
+    extra = sorted(k for k in hf if k not in used and not k.endswith(_IGNORED_SUFFIXES))
+    if extra:
+        raise Unsupported(f"the checkpoint holds tensors this code does not compute ({', '.join(extra[:3])}"
+                          f"{', ...' if len(extra) > 3 else ''}), so its answers would be wrong; supported: "
+                          f"{', '.join(SUPPORTED_ARCHITECTURES)} causal language models")
+    if not args.tie_embeddings and "lm_head.weight" not in hf:
+        raise Unsupported("the checkpoint has no lm_head.weight and its config does not tie the output head to "
+                          "the embedding (tie_word_embeddings): not a causal language model's checkpoint (a "
+                          "classifier's?)")
+
+
+def _used_names(args: ModelArgs):
+    yield from ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+    for i in range(args.num_layers):
+        p = f"model.layers.{i}."
+        yield from (p + "input_layernorm.weight", p + "post_attention_layernorm.weight")
+        yield from (p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down"))
+        yield from (p + f"self_attn.{n}_proj.weight" for n in "qkvo")
+        if args.attention_bias:
+            yield from (p + f"self_attn.{n}_proj.bias" for n in "qkv")
+        if args.o_bias:
+            yield p + "self_attn.o_proj.bias"
+        if args.qk_norm:
+            yield from (p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight")
 
 
 def _load_hf_weights(source: ModelSource) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
@@ -100,7 +156,17 @@ def _load_hf_weights(source: ModelSource) -> tuple[ModelArgs, dict[str, torch.Te
         return args, state
     from safetensors.torch import load_file
 
-    args = ModelArgs.from_hf_config(json.loads((source.path / "config.json").read_text()))
+    config = source.path / "config.json"
+    cfg = json.loads(config.read_text())
+    try:
+        args = ModelArgs.from_hf_config(cfg)
+    except ValueError as e:
+        raise Unsupported(str(e), getattr(e, "file", None) or config) from None
+    window = sliding_window(cfg, args.architecture) if isinstance(cfg, dict) else None
+    if window and window == args.max_position:
+        log.warning("%s: attention over a sliding window of %d tokens is not computed here: the context is cut to "
+                    "%d tokens, within which the answers are the same (as vLLM's --disable-sliding-window)",
+                    config, window, window)
     args = dataclasses.replace(args, eos_token_ids=_with_generation_eos(args.eos_token_ids, source.path,
                                                                         args.vocab_size))
     files = sorted(source.path.glob("*.safetensors"))
@@ -133,7 +199,7 @@ def to_internal_state(args: ModelArgs, hf: dict[str, torch.Tensor]) -> dict[str,
     storing matmul weights transposed ([in, out], see `Dense`)."""
     out = {"embed.weight": hf["model.embed_tokens.weight"], "norm": hf["model.norm.weight"]}
     if not args.tie_embeddings:
-        out["lm_head.weight"] = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
+        out["lm_head.weight"] = hf["lm_head.weight"]
     for i in range(args.num_layers):
         p, q = f"model.layers.{i}.", f"layers.{i}."
         att = p + "self_attn."
@@ -146,6 +212,8 @@ def to_internal_state(args: ModelArgs, hf: dict[str, torch.Tensor]) -> dict[str,
             out[q + "attn.q_norm"] = hf[att + "q_norm.weight"]
             out[q + "attn.k_norm"] = hf[att + "k_norm.weight"]
         out[q + "attn.o.weight_t"] = hf[att + "o_proj.weight"].t()
+        if args.o_bias:
+            out[q + "attn.o.bias"] = hf[att + "o_proj.bias"]
         out[q + "gate_up.weight_t"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]).t()
         out[q + "down.weight_t"] = hf[p + "mlp.down_proj.weight"].t()
     return out

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (RoPE), with the `linear` and `llama3` frequency scalings."""
+"""Rotary position embeddings (RoPE), with the `linear` and `llama3` frequency scalings, and a
+GGUF file's `rope_freqs` factors (llama.cpp's form of `llama3`)."""
 from __future__ import annotations
 
 import math
@@ -16,6 +17,12 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
         return inv_freq / scaling["factor"]
     if kind == "llama3":
         return _llama3_scaling(inv_freq, scaling)
+    if kind == "freq_factors":
+        factors = torch.tensor(scaling["factors"], dtype=torch.float64)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_freqs holds {factors.numel()} factors; the heads' {head_dim} dimensions need "
+                             f"{inv_freq.numel()}")
+        return inv_freq / factors
     raise ValueError(f"rope scaling {kind!r} is not supported (supported: linear, llama3)")
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .gguf_tokenizer import gguf_tokenizer_facts, repair
-from .loader import ModelSource
+from .loader import ModelNotFoundError, ModelSource, check_tokenizer_files
 
 Message = dict[str, str]
 
@@ -65,7 +65,12 @@ class Tokenizer:
         from transformers import AutoTokenizer
 
         if source.kind == "hf_dir":
-            return cls(AutoTokenizer.from_pretrained(str(source.path)), extra_eos)
+            check_tokenizer_files(source)
+            try:
+                return cls(AutoTokenizer.from_pretrained(str(source.path)), extra_eos)
+            except Exception as e:  # noqa: BLE001 - transformers raises its own kinds (OSError, ValueError, ...)
+                raise ModelNotFoundError(f"{source.path}: its tokenizer cannot be loaded: {type(e).__name__}: "
+                                         f"{e}") from e
         # Converting a GGUF vocabulary takes seconds; keep the converted files in a cache, one
         # per file and transformers version (versions convert differently).
         import transformers
@@ -162,12 +167,17 @@ class Tokenizer:
         """The text the model sees: chat messages through the template, ending with the
         assistant's turn opened (or, continue_final_message, the last message left open, as
         vLLM's request fields ask); `template_kwargs` are the template's own variables. Without
-        a chat template, messages are joined as plain text."""
+        a chat template (a base model) one user message is its text as written, and anything more
+        is NoChatTemplate (its roles would be lost)."""
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if system is not None and not (messages and messages[0].get("role") == "system"):
             messages.insert(0, {"role": "system", "content": system})
         if not self.has_chat_template:
-            return "\n".join(m["content"] for m in messages)
+            if len(messages) == 1 and messages[0].get("role") == "user" and isinstance(messages[0].get("content"), str):
+                return messages[0]["content"]
+            raise NoChatTemplate(f"this model has no chat template, so {_conversation(messages)} cannot be rendered "
+                                 f"(it renders one user message as its text alone): send the prompt alone, "
+                                 f"without a system prompt, or use a model with a chat template")
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final_message, **(template_kwargs or {}))
 
@@ -183,6 +193,17 @@ class Tokenizer:
         text = self.render(prompt, system, add_generation_prompt=add_generation_prompt,
                            continue_final_message=continue_final_message, template_kwargs=template_kwargs)
         return self.encode(text, add_special_tokens=add_special_tokens or not self.has_chat_template, limit=limit)
+
+
+class NoChatTemplate(ValueError):
+    """A conversation that a model without a chat template cannot render."""
+
+
+def _conversation(messages: Sequence[Message]) -> str:
+    roles = [m.get("role") for m in messages]
+    if "system" in roles:
+        return "a system prompt"
+    return f"a conversation of {len(messages)} messages" if len(messages) != 1 else f"a {roles[0]!r} message"
 
 
 class TooManyTokens(ValueError):

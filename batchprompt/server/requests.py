@@ -18,6 +18,7 @@ from ..api.batch import Prepared
 from ..jobs import rows as job_rows
 from ..jobs import openai_io, refusals
 from ..jobs.rows import CHAT, COMPLETION, Row, RowError, max_tokens_name
+from ..engine.samples import sampling_problem
 from ..jobs.run import JobOptions, render, row_params, row_spec
 from .errors import ApiError
 
@@ -70,6 +71,22 @@ def plan_completion(body: dict, tokenizer, max_model_len: int, request_id: str |
         rows.append(row)
         all_ids.append(_checked(ids, max_model_len, what, params.max_tokens, max_tokens_name(body)))
     return Plan(rid, rows, n, _choices(all_ids, params, n, spec), openai_io.TokenPieces.of(tokenizer), tokenizer.decode)
+
+
+def vocabulary_problem(plan: Plan, vocab_size: int) -> ApiError | None:
+    """The 400 that the engine's refusal of a token id outside the vocabulary (a token-id prompt's,
+    logit_bias's, stop_token_ids') becomes, found before any work starts: a stream answered 200
+    and then an error event, where OpenAI and vLLM refuse the request (the client's status-based
+    error handling missed it)."""
+    for p in plan.prepared:
+        ids = p.token_ids or ()
+        message = (f"the prompt has token ids outside the vocabulary [0, {vocab_size})"
+                   if ids and (min(ids) < 0 or max(ids) >= vocab_size) else sampling_problem(p.params, vocab_size))
+        if message is not None:
+            body = plan.rows[p.index // plan.n].body
+            code = openai_io.failure_code(message, body)
+            return ApiError(openai_io.STATUS.get(code, 400), message, code, openai_io.failure_param(message, body))
+    return None
 
 
 def plan_row(row: Row, tokenizer, max_model_len: int) -> list[Prepared]:

@@ -15,7 +15,7 @@ from ..jobs.bodies import ChatRequest, CompletionRequest
 from . import responses, waiting
 from .errors import ApiError
 from .middleware import client_request_id
-from .requests import plan_chat, plan_completion
+from .requests import plan_chat, plan_completion, vocabulary_problem
 from .schemas import read_json
 from .state import ServerState
 
@@ -66,6 +66,9 @@ async def _complete(request: Request, schema, plan_fn, chat: bool):
     # (chatcmpl-<X-Request-Id>, else the body's request_id), so logs on both sides match.
     rid = getattr(request.state, "client_request_id", None) or client_request_id(body.get("request_id"))
     plan = await asyncio.to_thread(plan_fn, body, service.tokenizer, service.max_model_len, rid)
+    refused = vocabulary_problem(plan, service.vocab_size)
+    if refused is not None:
+        raise refused
     batch = Batch(service, plan.prepared)
     created = int(time.time())
     if body.get("stream"):

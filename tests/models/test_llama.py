@@ -89,6 +89,58 @@ def test_tiny_qwen3_and_mistral_match_transformers(tmp_path, family, ops):
     torch.testing.assert_close(full_logits(ours, ids, ops), _hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_attention_bias_includes_the_output_projections_as_in_transformers(tmp_path, family, ops):
+    """Llama's and Qwen3's `attention_bias` puts a bias on o_proj too: it was left out (log-probs
+    0.7 off transformers' on the same weights)."""
+    import transformers
+
+    torch.manual_seed(4)
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, attention_bias=True)
+    hf = (transformers.LlamaForCausalLM(tiny_hf_config(attention_bias=True)) if family == "llama" else
+          transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=16, **common))).eval()
+    with torch.no_grad():  # random init leaves biases at zero; make them count
+        for layer in hf.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                         layer.self_attn.o_proj):
+                proj.bias.normal_()
+    hf.save_pretrained(tmp_path)
+    args, weights = load_hf_weights(resolve_model(tmp_path))
+    assert args.attention_bias and args.o_bias
+    ours = build_model(args, weights, torch.float32, torch.device("cpu"))
+    ids = torch.randint(0, 97, (40,)).tolist()
+    torch.testing.assert_close(full_logits(ours, ids, ops), _hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family, config, window", [
+    ("mistral", {"sliding_window": 16}, 16),
+    ("mistral", {"sliding_window": None}, None),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, 16),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2}, None),  # no layer has it
+    ("qwen2", {"use_sliding_window": False, "sliding_window": 16}, None),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}, 16),
+])
+def test_a_sliding_window_cuts_the_context_to_where_the_answers_are_transformers(tmp_path, family, config, window):
+    """A sliding window was ignored without a word, and answers past it differed from the first
+    token on. The context is now cut to the window (as vLLM's --disable-sliding-window), within
+    which attention over the window is attention over everything."""
+    import transformers
+
+    torch.manual_seed(6)
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    classes = {"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+    cfg = getattr(transformers, classes[family] + "Config")(**common, **config)
+    hf = getattr(transformers, classes[family] + "ForCausalLM")(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    args, weights = load_hf_weights(resolve_model(tmp_path))
+    assert args.max_position == (window or 256)
+    ours = build_model(args, weights, torch.float32, torch.device("cpu"))
+    ids = torch.randint(0, 97, (args.max_position if window else 40,)).tolist()
+    torch.testing.assert_close(full_logits(ours, ids), _hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+
+
 def test_unpermute_inverts_llama_cpp_permutation():
     w = torch.randn(12, 5).numpy()
     n_head = 3

@@ -63,6 +63,77 @@ def test_a_config_this_engine_would_compute_wrongly_or_cannot_read_is_refused(tm
     assert str(tmp_path) in str(e.value)
 
 
+def test_a_rope_scaling_not_computed_here_is_refused_naming_the_config(tmp_path):
+    """`yarn` was refused as the rotary table was made, after every weight was read, without the
+    file's name (and `batchprompt run` showed a traceback); `dynamic` is the plain RoPE within
+    the original context, to which the model is cut."""
+    import json
+
+    from batchprompt.models import load_hf_weights
+
+    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "max_position_embeddings": 4096}
+    (tmp_path / "config.json").write_text(json.dumps({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+    with pytest.raises(ModelNotFoundError, match=r"config\.json: rope scaling 'yarn' is not supported") as e:
+        load_hf_weights(resolve_model(tmp_path))
+    assert "Is it complete" not in str(e.value)
+    from batchprompt.models.config import ModelArgs
+
+    dynamic = ModelArgs.from_hf_config({**base, "rope_scaling": {"type": "dynamic", "factor": 2.0,
+                                                                  "original_max_position_embeddings": 1024}})
+    assert (dynamic.rope_scaling, dynamic.max_position) == (None, 1024)
+
+
+@pytest.mark.parametrize("model_type, context", [("llama", 2048), ("mistral", 131072), ("qwen2", 32768),
+                                                 ("qwen3", 32768)])
+def test_a_config_without_a_context_takes_its_architectures_default(model_type, context):
+    """It was 8,192 for every architecture: positions a Llama never saw (transformers' 2,048)."""
+    from batchprompt.models.config import ModelArgs
+
+    args = ModelArgs.from_hf_config({"model_type": model_type, "vocab_size": 10, "hidden_size": 8,
+                                     "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                     "sliding_window": None})
+    assert args.max_position == context
+
+
+def test_a_checkpoint_with_tensors_this_code_does_not_compute_is_refused(tmp_path):
+    """A classifier's checkpoint (LlamaForSequenceClassification: `model_type` llama, a
+    `score.weight`, no lm_head) ran with the embeddings as its output head."""
+    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+
+    from batchprompt.models import load_hf_weights
+
+    from ..conftest import tiny_hf_config
+
+    LlamaForSequenceClassification(tiny_hf_config(num_labels=3)).save_pretrained(tmp_path / "cls")
+    with pytest.raises(ModelNotFoundError, match=r"tensors this code does not compute \(score\.weight\)"):
+        load_hf_weights(resolve_model(tmp_path / "cls"))
+    # An untied head that is not there
+    from safetensors.torch import load_file, save_file
+
+    LlamaForCausalLM(tiny_hf_config()).save_pretrained(tmp_path / "lm")
+    weights = load_file(tmp_path / "lm" / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, tmp_path / "lm" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelNotFoundError, match="no lm_head.weight"):
+        load_hf_weights(resolve_model(tmp_path / "lm"))
+
+
+def test_a_directory_without_a_tokenizer_is_refused_before_its_weights(tmp_path, tiny_model_dir, monkeypatch):
+    """It failed after the weights were read, with transformers' "Couldn't instantiate the
+    backend tokenizer ... sentencepiece or tiktoken", and `batchprompt run` showed a traceback."""
+    from batchprompt import LLMEngine
+    from batchprompt.models import loader
+
+    def weights_read(source):
+        raise AssertionError("the weights were read")
+
+    monkeypatch.setattr("batchprompt.engine.engine.load_hf_weights", weights_read)
+    with pytest.raises(ModelNotFoundError, match=r"has no tokenizer files \(one of tokenizer\.json"):
+        LLMEngine.from_pretrained(str(tiny_model_dir))
+    assert loader.TOKENIZER_FILES[0] == "tokenizer.json"
+
+
 def test_a_truncated_or_foreign_gguf_file_is_named(tmp_path):
     """They were numpy's "When changing to a larger dtype ..." and a bare "GGUF magic invalid"."""
     from batchprompt.models import load_hf_weights

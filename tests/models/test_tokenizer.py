@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 from batchprompt.models import ModelSource, Tokenizer, resolve_model
+from batchprompt.models.tokenizer import NoChatTemplate
 
 LLAMA2_TEMPLATE = "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"
 CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -58,10 +59,18 @@ def test_local_llama_style_tokenizer_matches_transformers(tmp_path, template):
         assert expected[0] == bos  # the tokenizer made here does add a BOS
         assert ours.encode(text) == expected
         assert ours.encode(text, add_special_tokens=False) == hf(text, add_special_tokens=False)["input_ids"]
-    ids = ours.encode_prompt(MESSAGES[1]["content"], system=MESSAGES[0]["content"])
-    if template is None:  # joined as plain text: a raw prompt
-        assert ids == hf("\n".join(m["content"] for m in MESSAGES))["input_ids"]
+    if template is None:
+        # One user message is its text as written, a raw prompt; a system prompt or a conversation
+        # is refused (they were joined with "\n", their roles lost, where vLLM refuses them).
+        assert ours.encode_prompt(MESSAGES[1]["content"]) == hf(MESSAGES[1]["content"])["input_ids"]
+        for asked in ({"system": MESSAGES[0]["content"]}, {}):
+            given = MESSAGES[1]["content"] if asked else MESSAGES
+            with pytest.raises(NoChatTemplate, match="no chat template, so a system prompt cannot be rendered"):
+                ours.encode_prompt(given, **asked)
+        with pytest.raises(NoChatTemplate, match="a conversation of 2 messages"):
+            ours.encode_prompt([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
     else:
+        ids = ours.encode_prompt(MESSAGES[1]["content"], system=MESSAGES[0]["content"])
         assert ids == _template_ids(hf, MESSAGES)
         assert ids.count(bos) == (1 if template == LLAMA2_TEMPLATE else 0)
 

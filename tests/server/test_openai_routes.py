@@ -671,12 +671,22 @@ def test_a_stream_that_disconnects_has_its_request_cancelled(server):
     assert after["engine"]["generation_tokens"] - before["engine"]["generation_tokens"] < LONG_COMPLETION["max_tokens"]
 
 
-def test_a_streamed_error_names_its_field_as_the_answer_does(server):
-    # Streamed, the engine's refusal had param null; not streamed, it named logit_bias.
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logit_bias": {"99999999": 5}}
+@pytest.mark.parametrize("url, body, param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999999": 5}},
+     "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [99999999]},
+     "stop_token_ids"),
+    ("/v1/completions", {"prompt": [[1, 99999999]]}, "prompt"),
+    ("/v1/completions", {"prompt": ["hi", "there"], "logit_bias": {"60000": 1}}, "logit_bias"),
+])
+def test_a_token_id_outside_the_vocabulary_is_refused_before_a_stream_starts(server, url, body, param):
+    """Streamed, the engine's refusal was a 200 with an error event (the `openai` client raised
+    a bare APIError, no BadRequestError); OpenAI and vLLM refuse the request. Both are now the
+    same 400, naming the field."""
+    body = {**body, "max_tokens": 2}
     with server.client() as c:
-        whole = c.post("/v1/chat/completions", json=body)
-        streamed = c.post("/v1/chat/completions", json={**body, "stream": True})
-    assert error_of(whole)["param"] == "logit_bias", whole.text
-    events = [json.loads(x.removeprefix("data: ")) for x in streamed.text.split("\n\n") if x.startswith("data: {")]
-    assert [e["error"] for e in events if "error" in e] == [error_of(whole)], streamed.text
+        whole = c.post(url, json=body)
+        streamed = c.post(url, json={**body, "stream": True})
+    assert whole.status_code == streamed.status_code == 400, (whole.text, streamed.text)
+    assert error_of(streamed) == error_of(whole) and "outside the vocabulary" in error_of(whole)["message"]
+    assert error_of(whole)["param"] == param
