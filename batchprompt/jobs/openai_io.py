@@ -94,6 +94,8 @@ def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
             out.append(_with_extras(choice, r, with_ids))
         body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": out, "usage": usage, "system_fingerprint": None}
+        if with_ids:  # vLLM's: the prompt's on the response, each choice's own on the choice
+            body["prompt_token_ids"] = list(choices[0].prompt_token_ids)
         if row.body.get("prompt_logprobs") is not None:  # vLLM's: the response's, not a choice's
             body["prompt_logprobs"] = prompt_logprobs(choices[0], row.body["prompt_logprobs"], pieces)
         return body
@@ -109,6 +111,8 @@ def response_body(row: Row, choices: Sequence[Result], model: str, created: int,
             choice = _echoed(choice, row, r, pieces)
         if row.body.get("prompt_logprobs") is not None:
             choice["prompt_logprobs"] = prompt_logprobs(r, row.body["prompt_logprobs"], pieces)
+        if with_ids:  # vLLM's: on each choice of a completion
+            choice["prompt_token_ids"] = list(r.prompt_token_ids)
         out.append(_with_extras(choice, r, with_ids))
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": out, "usage": usage}

@@ -51,6 +51,7 @@ class Refused(ValueError):
 
 def refuse_unsupported(body: dict) -> dict:
     """The body to run, or Refused naming a field batchprompt cannot honour."""
+    _check_tool_fields(body)
     shown_tools = _tools_shown(body)
     for name, noop in _NOOP.items():
         if name in body and not noop(body[name]) and not (name == "tools" and shown_tools):
@@ -78,6 +79,25 @@ def refuse_unsupported(body: dict) -> dict:
         # best_of = n picks all n: a no-op clients send, not the best-of-n search (which needs n = 1).
         body = {k: v for k, v in body.items() if k != "best_of"}
     return body
+
+
+def _check_tool_fields(body: dict) -> None:
+    """What OpenAI and vLLM refuse as a value, before asking whether it is supported here: an
+    empty `tools`, a tool_choice of another shape, and a tool_choice other than "none" without
+    tools (they were answered 200, or "not supported" for a value that is no tool_choice)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if isinstance(tools, list) and not tools:
+        raise Refused("tools: []: give at least one tool, or leave tools out", "invalid_value", "tools")
+    if choice is None:
+        return
+    named = (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+             and isinstance(choice["function"].get("name"), str))
+    if choice not in ("none", "auto", "required") and not named:
+        raise Refused(f'tool_choice must be "none", "auto", "required" or {{"type": "function", "function": '
+                      f'{{"name": ...}}}}, got {shown(choice)}', "invalid_value", "tool_choice")
+    if choice != "none" and not tools:
+        raise Refused("tool_choice is only allowed when tools are given (vLLM: \"When using `tool_choice`, `tools` "
+                      "must be set\"): leave tool_choice out, or give tools", "invalid_value", "tool_choice")
 
 
 def _check_prompt_logprobs(body: dict) -> None:

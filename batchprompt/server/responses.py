@@ -81,6 +81,13 @@ class Chunks:
         self.streams_tokens = plan.decode is not None
         self._logprobs_sent: dict[int, int] = {}  # choice index -> its tokens whose log-probs went out
         self._offsets: dict[int, int] = {}  # completions: the text length of those tokens (text_offset)
+        # vLLM's return_token_ids: each chunk carries the ids of its tokens (those of text held back
+        # ride with the next chunk), the prompt's ids come with a chat's first chunk or a
+        # completion choice's first.
+        self.with_ids = bool(plan.rows[0].body.get("return_token_ids"))
+        self._ids_unsent: dict[int, list[int]] = {}  # choice index -> its ids no chunk carried yet
+        self._ids_sent: dict[int, int] = {}  # choice index -> how many of its ids chunks carried
+        self._opened: set[int] = set()  # completions: the choices whose first chunk went out
 
     def _stream(self, index: int) -> TextStream:
         if index not in self._streams:
@@ -93,10 +100,25 @@ class Chunks:
         if not self.streams_tokens:
             return []
         self._made[index] = self._made.get(index, 0) + len(ids)
+        if self.with_ids:
+            self._ids_unsent.setdefault(index, []).extend(ids)
         piece = self._stream(index).push(ids)
         if logprobs is None:
             return [self._delta(index, piece)] if piece else []
         return [self._delta(index, piece, self._token_logprobs(index, ids, logprobs))]
+
+    def _with_ids(self, index: int, choice: dict) -> dict:
+        """`choice` with the ids no chunk of it carried yet (return_token_ids), and for a
+        completion's first chunk of the choice the prompt's ids."""
+        if not self.with_ids:
+            return choice
+        unsent = self._ids_unsent.pop(index, [])
+        self._ids_sent[index] = self._ids_sent.get(index, 0) + len(unsent)
+        choice = {**choice, "token_ids": unsent}
+        if not self.chat and index not in self._opened:
+            self._opened.add(index)
+            choice["prompt_token_ids"] = list(self.plan.prepared[index].token_ids or ())
+        return choice
 
     def _token_logprobs(self, index: int, ids: list[int], logprobs: tuple) -> dict:
         values, tops = logprobs
@@ -120,10 +142,13 @@ class Chunks:
             return {**logprobs, "content": logprobs["content"][sent:]}
         return {key: value[sent:] for key, value in logprobs.items()}
 
-    def _chunk(self, choices: list[dict], index: int | None = None) -> str:
-        """`index`: the choice the chunk is of (None: of none yet, as the role's opening chunk)."""
+    def _chunk(self, choices: list[dict], index: int | None = None, prompt_ids: list[int] | None = None) -> str:
+        """`index`: the choice the chunk is of (None: of none yet, as the role's opening chunk);
+        `prompt_ids`: the prompt's token ids, on a chat's first chunk (return_token_ids)."""
         obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                "created": self.created, "model": self.model, "choices": choices}
+        if prompt_ids is not None:
+            obj["prompt_token_ids"] = list(prompt_ids)
         if self.chat:
             obj["system_fingerprint"] = None
         if self.include_usage:
@@ -139,9 +164,10 @@ class Chunks:
 
     def _delta(self, index: int, text: str, logprobs: dict | None = None) -> str:
         if not self.chat:
-            return self._chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}], index)
-        return self._chunk([{"index": index % self.plan.n, "delta": {"content": text}, "logprobs": logprobs,
-                             "finish_reason": None}], index)
+            return self._chunk([self._with_ids(index, {"index": index, "text": text, "logprobs": logprobs,
+                                                       "finish_reason": None})], index)
+        return self._chunk([self._with_ids(index, {"index": index % self.plan.n, "delta": {"content": text},
+                                                   "logprobs": logprobs, "finish_reason": None})], index)
 
     def _rest(self, index: int, text: str) -> tuple[str, bool]:
         """What of a choice's final text was not sent yet, and whether any of it was."""
@@ -154,8 +180,10 @@ class Chunks:
         """Chat opens each choice with the assistant's role, as OpenAI does, before any text."""
         if not self.chat:
             return []
-        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for i in range(self.plan.n)])]
+        chunk = self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for i in range(self.plan.n)],
+                            prompt_ids=self.plan.prepared[0].token_ids if self.with_ids else None)
+        return [chunk]
 
     def result(self, index: int, r: Result) -> list[str]:
         prompt = index // self.plan.n
@@ -166,19 +194,26 @@ class Chunks:
         row = self.plan.rows[prompt]
         choice = openai_io.response_body(row, [r], self.model, self.created, self.plan.token_text)["choices"][0]
         logprobs = self._unsent_logprobs(index, choice["logprobs"])
+        if self.with_ids:  # the ids no chunk carried: those of a held-back text, and any not streamed
+            if r.token_ids:
+                self._ids_unsent[index] = list(r.token_ids[self._ids_sent.get(index, 0):])
+            choice.pop("token_ids", None)
+            choice.pop("prompt_token_ids", None)
         if not self.chat:
-            return [self._chunk([dict(choice, index=index, text=self._rest(index, choice["text"])[0],
-                                      logprobs=logprobs)], index)]
+            last = dict(choice, index=index, text=self._rest(index, choice["text"])[0], logprobs=logprobs)
+            return [self._chunk([self._with_ids(index, last)], index)]
         i = index % self.plan.n
         out = []
         rest, streamed = self._rest(index, choice["message"]["content"] or "")
         if rest or (logprobs is not None and logprobs["content"]) or not streamed:
-            out.append(self._chunk([{"index": i, "delta": {"content": rest}, "logprobs": logprobs,
-                                     "finish_reason": None}], index))
+            last = {"index": i, "delta": {"content": rest}, "logprobs": logprobs, "finish_reason": None}
+            out.append(self._chunk([self._with_ids(index, last)], index))
         finish = {"index": i, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"],
                   "stop_reason": choice.get("stop_reason")}
         if "choice_probs" in choice:  # score mode: on the choice's last chunk, as on the whole answer's choice
             finish["choice_probs"] = choice["choice_probs"]
+        if self._ids_unsent.get(index):
+            finish = self._with_ids(index, finish)
         return out + [self._chunk([finish], index)]
 
     def end(self) -> list[str]:

@@ -28,18 +28,21 @@ def server_state(request: Request) -> ServerState:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
-    return {"object": "list", "data": [_model(server_state(request))]}
+    state = server_state(request)
+    # As vLLM: each --served-model-name is a model card (the first is the one answers carry by default)
+    return {"object": "list", "data": [_model(state, name) for name in state.config.served_model_names or
+                                       (state.model_id,)]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> dict:
     state = server_state(request)
     state.check_model(model_id)
-    return _model(state)
+    return _model(state, model_id if model_id in state.config.served_model_names else state.model_id)
 
 
-def _model(state: ServerState) -> dict:
-    card = {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "batchprompt"}
+def _model(state: ServerState, name: str) -> dict:
+    card = {"id": name, "object": "model", "created": state.created, "owned_by": "batchprompt"}
     if state.max_model_len is not None:  # as vLLM's model card has it (a pool of servers reads it)
         card["max_model_len"] = state.max_model_len
     return card
@@ -60,6 +63,8 @@ async def _complete(request: Request, schema, plan_fn, chat: bool):
     body = await read_json(request, schema)
     # stream_options without stream: refused with the body's other fields (jobs.refusals)
     state.check_model(body.get("model"))
+    # The answer carries the name the request gave (one of the model's), as vLLM's does
+    model = body.get("model") or state.model_id
     service = state.service()
     # Rendering and tokenizing take the tokenizer's lock and some CPU: off the event loop.
     # The answer's id is the client's request id where it gave one, as vLLM makes it
@@ -73,7 +78,7 @@ async def _complete(request: Request, schema, plan_fn, chat: bool):
     created = int(time.time())
     if body.get("stream"):
         options = body.get("stream_options") or {}
-        chunks = responses.Chunks(plan, chat, state.model_id, created, bool(options.get("include_usage")),
+        chunks = responses.Chunks(plan, chat, model, created, bool(options.get("include_usage")),
                                   bool(options.get("continuous_usage_stats")))
         if state.shutting_down:
             raise ApiError(503, "the server is shutting down", "shutting_down")
@@ -83,4 +88,4 @@ async def _complete(request: Request, schema, plan_fn, chat: bool):
     failed = responses.failure(results, body)
     if failed is not None:
         raise failed
-    return responses.body(plan, results, state.model_id, created)
+    return responses.body(plan, results, model, created)

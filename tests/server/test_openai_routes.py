@@ -35,16 +35,22 @@ def test_models_lists_the_served_model(server):
 
 def test_served_model_names_as_vllm_takes_them(tmp_path):
     """A vLLM user's requests and batch files name the model as vLLM served it (its hub id): there
-    was no --served-model-name, and each was a 404."""
+    was no --served-model-name, and each was a 404. As vLLM: every name is listed, and an answer
+    carries the name its request gave (it carried the first, where a client checks it)."""
     hub_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
     srv = start_server(tmp_path, "--served-model-name", hub_id, "smol")
     try:
         client = srv.openai()
-        assert [m.id for m in client.models.list().data] == [hub_id]
+        assert [m.id for m in client.models.list().data] == [hub_id, "smol"]
+        assert client.models.retrieve("smol").id == "smol"
         for name in (hub_id, "smol"):
             out = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "Hi"}],
                                                  max_tokens=2)
-            assert out.model == hub_id
+            assert out.model == name
+            stream = client.completions.create(model=name, prompt="Hi", max_tokens=2, stream=True)
+            assert {chunk.model for chunk in stream} == {name}
+        with srv.client() as c:  # no model given: the first name
+            assert c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}).json()["model"] == hub_id
         with pytest.raises(openai.NotFoundError, match="this server runs 'HuggingFaceTB/SmolLM2-135M-Instruct'"):
             client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=2)
     finally:
@@ -261,6 +267,49 @@ def test_completions_stream(server):
         whole = c.post("/v1/completions", json={"prompt": ["1, 2, 3, 4,", "A, B, C, D,"], "max_tokens": 4,
                                                 "temperature": 0}).json()
     assert [text[0], text[1]] == [ch["text"] for ch in whole["choices"]]
+
+
+def _sse(r) -> list[dict]:
+    lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+def test_return_token_ids_streamed_and_whole_as_vllm_gives_them(server):
+    """vLLM's return_token_ids: each choice's `token_ids`, and the prompt's `prompt_token_ids`
+    (a chat's on the response, a completion's on each choice). Streamed, each chunk carries its
+    own tokens' ids. The prompt's ids were never given, a chat stream carried no ids and a
+    completion stream all of them on its last chunk."""
+    msgs = [{"role": "user", "content": "Count: 1, 2, 3,"}]
+    common = {"max_tokens": 8, "temperature": 0, "return_token_ids": True, "n": 2, "stop": [", 7"]}
+    with server.client() as c:
+        chat_ids = c.post("/tokenize", json={"messages": msgs}).json()["tokens"]
+        prompt_ids = c.post("/tokenize", json={"prompt": "1, 2, 3, 4,"}).json()["tokens"]
+        whole_chat = c.post("/v1/chat/completions", json={"messages": msgs, **common}).json()
+        whole = c.post("/v1/completions", json={"prompt": "1, 2, 3, 4,", **common}).json()
+        with c.stream("POST", "/v1/chat/completions", json={"messages": msgs, "stream": True, **common}) as r:
+            chat_chunks = _sse(r)
+        with c.stream("POST", "/v1/completions", json={"prompt": "1, 2, 3, 4,", "stream": True, **common}) as r:
+            chunks = _sse(r)
+    assert whole_chat["prompt_token_ids"] == chat_ids
+    assert [ch["prompt_token_ids"] for ch in whole["choices"]] == [prompt_ids, prompt_ids]
+    assert all(ch["token_ids"] for ch in whole_chat["choices"] + whole["choices"])
+    # Streamed: the chat's prompt ids on its first chunk; each chunk's ids are its own tokens'
+    assert chat_chunks[0]["prompt_token_ids"] == chat_ids and all("prompt_token_ids" not in ch
+                                                                  for ch in chat_chunks[1:])
+    for streamed, answer, chat in ((chat_chunks, whole_chat, True), (chunks, whole, False)):
+        ids: dict[int, list[int]] = {0: [], 1: []}
+        firsts: dict[int, list] = {}
+        for ch in streamed:
+            for choice in ch["choices"]:
+                ids[choice["index"]] += choice.get("token_ids", [])
+                if not chat and choice["index"] not in firsts:
+                    firsts[choice["index"]] = choice.get("prompt_token_ids")
+        assert [ids[0], ids[1]] == [ch["token_ids"] for ch in answer["choices"]], chat
+        if not chat:
+            assert firsts == {0: prompt_ids, 1: prompt_ids}
+    pieces = [ch["choices"][0]["token_ids"] for ch in chunks if ch["choices"] and ch["choices"][0].get("text")]
+    assert len(pieces) > 1  # not all of them on one chunk
 
 
 def test_structured_output_choices(server):

@@ -154,3 +154,21 @@ def test_tools_with_tool_choice_none_reach_the_chat_template_as_in_vllm():
     with pytest.raises(ApiError) as e:
         plan_chat({"messages": M, "tools": "get_weather", "tool_choice": "none"}, tokenizer, 8192)
     assert e.value.param == "tools" and "must be a list" in e.value.message
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"tool_choice": "auto"}, "tool_choice is only allowed when tools are given"),
+    ({"tools": []}, "tools: []: give at least one tool"),
+    ({"tools": [], "tool_choice": "auto"}, "tools: []: give at least one tool"),
+    ({"tool_choice": "bogus"}, 'tool_choice must be "none", "auto", "required" or'),
+    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice must be"),
+])
+def test_tool_fields_that_openai_and_vllm_refuse_are_refused_as_invalid_values(tokenizer, body, message):
+    """tool_choice "auto" without tools and an empty tools list were answered 200 (OpenAI and
+    vLLM refuse them); a tool_choice that is none of its forms was "not supported"."""
+    with pytest.raises(ApiError) as e:
+        plan_chat({"messages": M, **body}, tokenizer, 8192)
+    assert (e.value.status, e.value.code) == (400, "invalid_value"), e.value.message
+    assert e.value.message.startswith(message) and e.value.param == ("tools" if "tools: []" in message
+                                                                     else "tool_choice")
+    plan_chat({"messages": M, "tool_choice": "none"}, tokenizer, 8192)  # "none" alone runs, as in vLLM
