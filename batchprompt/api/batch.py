@@ -15,10 +15,10 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import replace
-from typing import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import AsyncIterator, Callable, Iterator, Sequence
 
-from ..engine import RequestOutput
+from ..engine import RequestOutput, SamplingParams
 from ..units import wait_seconds
 from .callbacks import on_callback_thread
 from .items import Prepared, check_errors, to_result
@@ -138,9 +138,13 @@ class Batch:
             # Prompts that share a prefix go to the engine together, so the prefix is computed
             # once and is still cached while its group runs (a trie order of the token ids).
             order.sort(key=lambda p: p.token_ids)
+        twins = _greedy_twins(order)
         for p in order:
-            source.items.append(Item(p.token_ids, p.params, self._handler(p),
-                                     on_tokens=self._token_handler(p.index) if self._on_tokens else None))
+            if p.index in twins.followers:
+                continue
+            also = twins.of.get(p.index, ())
+            source.items.append(Item(p.token_ids, p.params, self._handler(p, also),
+                                     on_tokens=self._token_handler(p.index, also) if self._on_tokens else None))
         self._source = source
         for p in self._prepared:
             if p.token_ids is None:
@@ -150,7 +154,9 @@ class Batch:
         elif source.items:
             self._service.submit(source)
 
-    def _handler(self, p: Prepared) -> Callable[[RequestOutput], None]:
+    def _handler(self, p: Prepared, twins: Sequence[int] = ()) -> Callable[[RequestOutput], None]:
+        """`twins`: the indices of prompts computed by this one's request (_greedy_twins), whose
+        results are its own."""
         asked_stop = bool(p.params.stop or p.params.stop_token_ids)
 
         def handle(out: RequestOutput) -> None:
@@ -163,19 +169,22 @@ class Batch:
                 log.exception("a result could not be handled")
                 result = Result(index=p.index, error=f"the result could not be handled: {type(e).__name__}: {e}")
             self._deliver(result)
+            for i in twins:
+                self._deliver(replace(result, index=i))
         return handle
 
-    def _token_handler(self, index: int) -> Callable[..., None]:
+    def _token_handler(self, index: int, twins: Sequence[int] = ()) -> Callable[..., None]:
         def handle(ids: list[int], last: bool, logprobs: tuple | None = None) -> None:
             for fn, with_last, inline, with_logprobs in self._on_tokens:
                 if last and not with_last:
                     continue
-                args = (index, ids, logprobs) if with_logprobs else (index, ids)
-                if inline:
-                    fn(*args)
-                else:
-                    self._dispatched = True  # wait() ends after it ran (it ended before, on_tokens alone)
-                    self._service.dispatch(fn, *args)
+                for i in (index, *twins):
+                    args = (i, ids, logprobs) if with_logprobs else (i, ids)
+                    if inline:
+                        fn(*args)
+                    else:
+                        self._dispatched = True  # wait() ends after it ran (it ended before, on_tokens alone)
+                        self._service.dispatch(fn, *args)
         return handle
 
     # ---- results --------------------------------------------------------------------------
@@ -460,6 +469,38 @@ class Batch:
 
     def __len__(self) -> int:
         return self.total
+
+
+@dataclass
+class _Twins:
+    of: dict[int, list[int]] = field(default_factory=dict)  # a computed prompt's index -> its twins'
+    followers: set[int] = field(default_factory=set)  # the twins: answered by another's request
+
+
+def _greedy_twins(order: Sequence[Prepared]) -> _Twins:
+    """Greedy prompts of the same tokens and options (a request's n choices at temperature 0,
+    or a batch's repeated rows) computed once, each answered with that one's result: the same
+    answer, as greedy decoding means, where computing them apart gave the first another answer
+    (its prompt was computed in full, the others' read from the prefix cache, and in bfloat16
+    the two round apart and flip near-ties), and no time spent on copies. A seed changes nothing
+    in greedy decoding: it is left out of the comparison."""
+    twins = _Twins()
+    seen: dict[tuple[int, ...], list[Prepared]] = {}
+    for p in order:
+        if not p.params.greedy:
+            continue
+        same = seen.setdefault(tuple(p.token_ids), [])
+        lead = next((q for q in same if q.spec is p.spec and _same_options(q.params, p.params)), None)
+        if lead is None:
+            same.append(p)
+        else:
+            twins.of.setdefault(lead.index, []).append(p.index)
+            twins.followers.add(p.index)
+    return twins
+
+
+def _same_options(a: SamplingParams, b: SamplingParams) -> bool:
+    return a == b or replace(a, seed=None) == replace(b, seed=None)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> bool:

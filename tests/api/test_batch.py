@@ -262,3 +262,26 @@ def test_a_prompt_that_cannot_be_rendered_is_the_prompt_not_prompt_0(lm):
     results = lm.batch_prompt(["fine", None])
     assert results[0].ok and results[1].index == 1
     assert results[1].error.startswith("the prompt cannot be rendered: ")
+
+
+def test_repeated_greedy_prompts_are_computed_once_and_answered_alike(lm, messages):
+    """A request's n choices at temperature 0 (and a batch's repeated rows) were each computed:
+    in bfloat16 the first, whose prompt was computed in full, answered otherwise than the rest,
+    which read it from the prefix cache. Each is now answered with one computation's result,
+    its tokens streamed to each; a temperature above 0 still samples each."""
+    engine = lm._service.engine
+    prompts = [messages[0], messages[1], messages[0], messages[0], messages[1]]
+    streamed: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    before = engine.stats.finished
+    batch = lm.create_batch(prompts)
+    batch.on_tokens(lambda i, ids: streamed[i].extend(ids))
+    results = batch.start().wait()
+    assert engine.stats.finished - before == 2
+    assert [r.index for r in results] == list(range(5))
+    assert results[0].text == results[2].text == results[3].text and results[1].text == results[4].text
+    assert results[0].token_ids == results[3].token_ids and results[0].token_ids
+    batch.wait()  # on_tokens has run: every prompt got its tokens
+    assert all(streamed[i] == results[i].token_ids for i in range(5))
+    before = engine.stats.finished
+    sampled = lm.batch_prompt([messages[0]] * 3, temperature=0.8, seed=1)
+    assert engine.stats.finished - before == 3 and all(r.ok for r in sampled)

@@ -312,6 +312,26 @@ def test_return_token_ids_streamed_and_whole_as_vllm_gives_them(server):
     assert len(pieces) > 1  # not all of them on one chunk
 
 
+def test_greedy_choices_of_one_request_are_the_same_answer(server):
+    """n > 1 at temperature 0: the first choice answered otherwise than the others, every time
+    (its prompt computed in full, theirs read from the prefix cache, rounding apart in bfloat16)."""
+    body = {"messages": [{"role": "user", "content": "Write a poem about the sea"}], "max_tokens": 24,
+            "temperature": 0, "n": 3}
+    with server.client() as c:
+        finished = c.get("/v1/batch/stats").json()["engine"]["finished"]
+        whole = c.post("/v1/chat/completions", json=body).json()
+        assert c.get("/v1/batch/stats").json()["engine"]["finished"] == finished + 1  # computed once
+        with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            chunks = _sse(r)
+    texts = [ch["message"]["content"] for ch in whole["choices"]]
+    assert len(set(texts)) == 1 and texts[0], texts
+    streamed = {0: "", 1: "", 2: ""}
+    for ch in chunks:
+        for choice in ch["choices"]:
+            streamed[choice["index"]] += choice["delta"].get("content") or ""
+    assert list(streamed.values()) == texts
+
+
 def test_structured_output_choices(server):
     client = server.openai()
     labels = ["spam", "ham"]
