@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -398,6 +399,8 @@ def json_loads(text: str | bytes) -> Any:
         text = text.removeprefix(b"\xef\xbb\xbf")
     try:
         return json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError:
+        raise
     except RecursionError:
         doc = text if isinstance(text, str) else text.decode("utf-8", "replace")
         raise json.JSONDecodeError("nested too deeply for the JSON parser", doc, 0) from None
@@ -405,6 +408,14 @@ def json_loads(text: str | bytes) -> Any:
         doc = text if isinstance(text, str) else text.decode("utf-8", "replace")
         raise json.JSONDecodeError(f"{e} is not a JSON value (write a number, or null)", doc,
                                    max(doc.find(str(e)), 0)) from None
+    except ValueError as e:
+        if "integer string conversion" not in str(e):  # invalid UTF-8 bytes: the callers' own
+            raise
+        # Python's limit on an integer's digits (sys.get_int_max_str_digits): a plain ValueError
+        # failed a whole `run`, and a Batch API file as an internal error without its line.
+        doc = text if isinstance(text, str) else text.decode("utf-8", "replace")
+        raise json.JSONDecodeError(f"a number has more digits than the {sys.get_int_max_str_digits():,} a number is "
+                                   f"read with", doc, 0) from None
 
 
 def json_type(value: Any) -> str:

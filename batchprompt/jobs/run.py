@@ -30,7 +30,7 @@ from .lock import JobLock
 from .live_rate import LiveRate
 from .rows import (CHAT, COMPLETION, InputError, Row, RowError, Table, echo_only, max_tokens_field, max_tokens_name,
                    read_input)
-from .storage import StorageError, is_stream, write_atomic
+from .storage import StorageError, is_stream, remove_stale_temps, write_atomic
 
 log = logging.getLogger("batchprompt")
 
@@ -509,6 +509,9 @@ class JobRun:
             return self.dry_run(table, self._done_before(journal_path, fp, settings, legacy_fp))
         with JobLock(journal_path), _output_lock(opts.output, journal_path):  # a second run stops here, naming
             # this one (one that writes the same output through a link, or with its own --journal, too)
+            for written in (opts.output, errors_path):  # a run killed as it wrote them left its temp files
+                if written and not _streamed(written):
+                    remove_stale_temps(os.path.realpath(written))
             fresh = not Path(journal_path).exists()
             if opts.restart and any(isinstance(r, Row) for r in table.rows):
                 # Loaded before --restart empties the journal: an option the engine refuses (or a

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
 import sqlite3
 import stat
@@ -111,6 +112,27 @@ def _create_temp(dest: Path) -> tuple[int, str]:
         except OSError as e:
             raise StorageError.from_os(dest, e) from None
     raise StorageError(dest, "no unused temp file name", False)
+
+
+def remove_stale_temps(dest: str | Path) -> int:
+    """Remove the temp files that write_atomic left beside `dest` when its process was killed
+    between writing and renaming (each a whole copy of the file); returns how many. Call it only
+    while holding what makes this process `dest`'s one writer (a run's lock on its output)."""
+    dest = Path(dest)
+    pattern = re.compile(re.escape(dest.name) + r"\.[0-9a-f]{8}\.tmp")
+    removed = 0
+    try:
+        names = os.listdir(dest.parent)
+    except OSError:
+        return 0
+    for name in names:
+        if pattern.fullmatch(name):
+            try:
+                os.unlink(dest.parent / name)
+                removed += 1
+            except OSError:
+                pass
+    return removed
 
 
 def fsync_dir(folder: str | Path) -> None:

@@ -127,3 +127,18 @@ def test_the_table_output_and_its_folder_are_fsynced(tmp_path, monkeypatch):
     for path in (out, tmp_path):
         st = os.stat(path)
         assert (st.st_dev, st.st_ino) in synced, path
+
+
+def test_temp_files_of_a_run_killed_as_it_wrote_are_removed_by_the_next(tmp_path):
+    """kill -9 between writing the output's temp file and renaming it left a whole copy of the
+    output (`OUT.1a2b3c4d.tmp`) that no later run removed. The run that takes the output's lock
+    removes its and its errors file's; a file of another name stays."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_sms_batch(inp, 2)
+    stale = [tmp_path / "out.jsonl.1a2b3c4d.tmp", tmp_path / "out.jsonl.errors.jsonl.00ff00ff.tmp"]
+    kept = [tmp_path / "out.jsonl.notours.tmp", tmp_path / "other.jsonl.1a2b3c4d.tmp"]
+    for f in stale + kept:
+        f.write_text("half a copy")
+    assert main(["run", str(inp), "-o", str(out), "--max-tokens", "2", "--no-progress"]) == 0
+    assert not any(f.exists() for f in stale) and all(f.exists() for f in kept)
+    assert [o["custom_id"] for o in parse_outputs(out)] == ["sms-0", "sms-1"]

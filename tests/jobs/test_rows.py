@@ -36,6 +36,7 @@ def test_openai_lines_and_plain_lines():
 @pytest.mark.parametrize("line, code", [
     ("{not json", "invalid_json"),
     ('{"prompt": ' + "[" * DEEP + "]" * DEEP + "}", "invalid_json"),  # too deep: was a RecursionError
+    ('{"prompt": "p", "max_tokens": ' + "9" * 4301 + "}", "invalid_json"),  # a ValueError that ended the run
     ("[1, 2]", "invalid_request"),
     ({"custom_id": "x", "method": "POST", "url": "/v1/embeddings", "body": {}}, "invalid_url"),
     ({"custom_id": "x", "method": "GET", "url": CHAT, "body": {}}, "invalid_method"),

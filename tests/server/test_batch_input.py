@@ -39,13 +39,14 @@ def test_every_bad_line_is_named_once_with_its_number():
                 json.dumps({"url": CHAT, "body": {}}), json.dumps({"custom_id": "d", "url": CHAT, "method": "GET",
                                                                    "body": {}}),
                 json.dumps({"custom_id": "e", "url": CHAT}), line("f", messages=[], model="other"), "7",
-                b'{"custom_id": "\xff"}', '{"body": ' + "[" * DEEP + "]" * DEEP + "}")
+                b'{"custom_id": "\xff"}', '{"body": ' + "[" * DEEP + "]" * DEEP + "}",
+                line("g", seed=1).replace('"seed": 1', '"seed": ' + "9" * 4401))  # failed the batch (below)
     assert not got.ok
     assert [(e["line"], e["code"]) for e in got.errors] == [
         (2, "invalid_json"), (3, "duplicate_custom_id"), (4, "mismatched_url"), (5, "invalid_url"),
         (6, "missing_custom_id"), (7, "invalid_method"), (8, "missing_body"), (9, "model_not_found"),
-        (10, "invalid_request"), (11, "invalid_utf8"), (12, "invalid_json")]  # 12: too deep (the batch failed
-    # with one internal_error and no line)
+        (10, "invalid_request"), (11, "invalid_utf8"), (12, "invalid_json"), (13, "invalid_json")]
+    # 12: too deep, 13: a number of 4,401 digits (each failed the batch with one internal_error and no line)
     assert "nested too deeply" in got.errors[10]["message"]
     assert all(e["message"].startswith(f"line {e['line']}: ") for e in got.errors)
     assert "'other' does not exist here; this server runs 'm'" in got.errors[7]["message"]
