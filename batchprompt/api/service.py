@@ -98,6 +98,22 @@ class EngineService(StopCounts):
         self._cond = threading.Condition()
         self._stopping, self.stop_reason = True, FORKED
         self._callbacks.after_fork()
+        # What the parent's batches had here is answered with FORKED: a batch running at the fork
+        # waited for ever in the child (its engine thread is the parent's alone).
+        commands, self._commands = self._commands, []
+        sources, self._sources = list(self._sources), deque()
+        in_engine, self._in_engine = list(self._in_engine.values()), {}
+        for _, fut in commands:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineStoppedError(FORKED))
+        for source, item in in_engine:
+            source.in_engine.pop(item.request_id, None)
+            answer(item, stopped_output(item, FORKED, False))
+        for source in sources:
+            source.cancelled = True
+            while source.items:
+                item = source.items.popleft()
+                answer(item, stopped_output(item, FORKED, False, ""))
 
     def _wait_built(self) -> None:
         """Wait for the engine thread to build the engine; its exception is raised here. If the
@@ -692,6 +708,10 @@ def shutdown(model: str | LLMEngine | None = None, timeout: float | None = None)
     `timeout`: wait at most this long in all for their threads (an engine thread stuck in a
     step is then left to end after it, logged); by default, wait until they end. With
     model=None, the Ray replicas and endpoint pools that sessions run on are let go of too."""
+    if model is not None and not isinstance(model, (str, os.PathLike, LLMEngine)):
+        # shutdown(5) meant a time limit: it was os.path's "expected str, bytes or os.PathLike object, not int"
+        raise TypeError(f"shutdown's model must be a model id or path, or an LLMEngine (or None for all), got "
+                        f"{type(model).__name__} {model!r:.60}; for a time limit give timeout=...")
     timeout = wait_seconds(timeout)  # -1 was taken, and logged as "did not finish within -1s"
     with _services_lock:
         services = list(dict.fromkeys(_services.values()))

@@ -682,6 +682,9 @@ class LLMEngine:
             raise TypeError("generate() takes text as str (decode the bytes) or token ids as a list of ints")
         if getattr(prompts, "ndim", None) == 0:
             raise TypeError(f"generate() takes prompts, not a single number ({type(prompts).__name__} of 0 dimensions)")
+        if prompts is None or isinstance(prompts, (int, float)):  # it was "'NoneType' object is not iterable"
+            raise TypeError(f"generate() takes a prompt (a string, or a list of token ids) or a list of prompts, got "
+                            f"{type(prompts).__name__} {prompts!r}")
         one = (isinstance(prompts, (str, dict)) or getattr(prompts, "ndim", None) == 1  # token ids as an array
                or (isinstance(prompts, (list, tuple)) and bool(prompts) and all(type(t) is int for t in prompts)))
         prompts = [prompts] if one else list(prompts)

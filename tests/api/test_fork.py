@@ -51,6 +51,34 @@ def test_a_forked_child_gets_an_error_from_the_parents_session_and_an_engine_of_
     lm.destroy()
 
 
+def test_a_batch_running_at_the_fork_is_answered_in_the_child(engine32, messages):
+    """A batch that was running when the process forked waited for ever in the child (wait(),
+    iteration, wait_async): its requests were in the parent's engine, which no thread of the
+    child steps. Each is answered at once with the fork's error; the parent's batch goes on."""
+    lm = bp.LanguageModel.create(model=engine32, max_tokens=200, min_tokens=200)  # still running at the fork
+    batch = lm.create_batch(messages[:8]).start()
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.SimpleQueue()
+
+    def child() -> None:
+        try:
+            results = batch.wait(timeout=30)
+            out.put(sorted({(r.finish_reason, "forked from" in (r.error or "")) for r in results}))
+        except BaseException as e:  # noqa: BLE001
+            out.put(f"{type(e).__name__}: {e}")
+
+    proc = ctx.Process(target=child)
+    proc.start()
+    proc.join(90)
+    if proc.is_alive():
+        proc.kill()
+        pytest.fail("the forked child hung")
+    assert out.get() == [("error", True)]
+    batch.cancel()  # the parent's batch is its own: cancelled here, not waited for
+    assert lm.prompt(messages[0], max_tokens=2, min_tokens=0)
+    lm.destroy()
+
+
 def test_cuda_in_a_child_forked_from_a_cuda_process_is_refused_naming_spawn(monkeypatch, engine32):
     """Such a child's first step failed ("Cannot re-initialize CUDA in forked subprocess", after
     the model had loaded, as a failure of the system prompt). Where PyTorch says this process is

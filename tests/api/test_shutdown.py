@@ -256,3 +256,12 @@ def test_a_stop_at_exit_says_so_and_blames_no_call(engine32):
     service = EngineService(engine32, name="exit-test")
     assert service.shutdown(timeout=30, at_exit=True)
     assert service.stop_reason == SHUT_DOWN_AT_EXIT and "bp.shutdown()" not in service.stop_reason
+
+
+@pytest.mark.parametrize("model", [5, 2.5, ["smollm2-135m"]])
+def test_shutdown_names_a_model_that_is_not_one(model):
+    """bp.shutdown(5) (a time limit, meant as timeout=5) raised os.path's "expected str, bytes or
+    os.PathLike object, not int"."""
+    with pytest.raises(TypeError, match=r"shutdown's model must be a model id or path.*for a time limit give "
+                                        r"timeout=\.\.\."):
+        bp.shutdown(model)

@@ -34,6 +34,10 @@ def test_vllm_prompt_dicts_and_arrays_are_prompts(tiny_model):
     assert "is a list of token ids" in wrong.error
     with pytest.raises(TypeError, match="not a single number"):
         eng.generate(torch.tensor(5), GREEDY)
+    for bad in (None, 5):  # it was "'NoneType' object is not iterable"
+        with pytest.raises(TypeError, match=r"generate\(\) takes a prompt \(a string, or a list of token ids\) or a "
+                                            r"list of prompts, got"):
+            eng.generate(bad, GREEDY)
 
 
 def test_generate_from_several_threads_runs_each_call_whole(tiny_model):
