@@ -12,6 +12,17 @@ from batchprompt.device import FORKED_CUDA
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")]
 
 
+def _run_forked(ctx, child) -> int:
+    """`child` run in a forked process: its exit code (a failure if it hangs)."""
+    proc = ctx.Process(target=child)
+    proc.start()
+    proc.join(90)
+    if proc.is_alive():
+        proc.kill()
+        pytest.fail("the forked child hung")
+    return proc.exitcode
+
+
 def test_a_forked_child_gets_an_error_from_the_parents_session_and_an_engine_of_its_own(engine32, messages):
     """The child has copies of the parent's sessions but not the engine's threads: a call on one
     waited for ever, and so did a new session there (the registry handed it the parent's engine)."""
@@ -33,13 +44,7 @@ def test_a_forked_child_gets_an_error_from_the_parents_session_and_an_engine_of_
         except Exception as e:  # noqa: BLE001
             out.put(f"{type(e).__name__}: {e}")
 
-    proc = ctx.Process(target=child)
-    proc.start()
-    proc.join(90)
-    if proc.is_alive():
-        proc.kill()
-        pytest.fail("the forked child hung")
-    assert proc.exitcode == 0
+    assert _run_forked(ctx, child) == 0
     error, text = out.get(), out.get()
     assert "the process this one was forked from" in error and "'spawn'" in error, error
     if engine32.runner.device.type == "cuda":  # CUDA cannot run in a forked child: said at once, and how to
@@ -67,12 +72,7 @@ def test_a_batch_running_at_the_fork_is_answered_in_the_child(engine32, messages
         except BaseException as e:  # noqa: BLE001
             out.put(f"{type(e).__name__}: {e}")
 
-    proc = ctx.Process(target=child)
-    proc.start()
-    proc.join(90)
-    if proc.is_alive():
-        proc.kill()
-        pytest.fail("the forked child hung")
+    _run_forked(ctx, child)
     assert out.get() == [("error", True)]
     batch.cancel()  # the parent's batch is its own: cancelled here, not waited for
     assert lm.prompt(messages[0], max_tokens=2, min_tokens=0)
