@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import queue
 import threading
@@ -169,8 +170,8 @@ class Batch:
                 log.exception("a result could not be handled")
                 result = Result(index=p.index, error=f"the result could not be handled: {type(e).__name__}: {e}")
             self._deliver(result)
-            for i in twins:
-                self._deliver(replace(result, index=i))
+            for i in twins:  # each a copy of its own: a caller that changes one result's lists changes no other
+                self._deliver(copy.deepcopy(replace(result, index=i)))
         return handle
 
     def _token_handler(self, index: int, twins: Sequence[int] = ()) -> Callable[..., None]:

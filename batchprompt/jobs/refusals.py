@@ -86,6 +86,8 @@ def _check_tool_fields(body: dict) -> None:
     empty `tools`, a tool_choice of another shape, and a tool_choice other than "none" without
     tools (they were answered 200, or "not supported" for a value that is no tool_choice)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
+    if "messages" not in body:  # a completion's: it takes no tools, and vLLM ignores the field
+        return
     if isinstance(tools, list) and not tools:
         raise Refused("tools: []: give at least one tool, or leave tools out", "invalid_value", "tools")
     if choice is None:

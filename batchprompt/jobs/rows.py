@@ -414,8 +414,9 @@ def json_loads(text: str | bytes) -> Any:
         # Python's limit on an integer's digits (sys.get_int_max_str_digits): a plain ValueError
         # failed a whole `run`, and a Batch API file as an internal error without its line.
         doc = text if isinstance(text, str) else text.decode("utf-8", "replace")
+        at = re.search(r"\d{%d,}" % (sys.get_int_max_str_digits() + 1), doc)
         raise json.JSONDecodeError(f"a number has more digits than the {sys.get_int_max_str_digits():,} a number is "
-                                   f"read with", doc, 0) from None
+                                   f"read with", doc, at.start() if at else 0) from None
 
 
 def json_type(value: Any) -> str:

@@ -54,8 +54,8 @@ class ModelArgs:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         kind = (self.rope_scaling or {}).get("rope_type")
         if kind is not None and kind not in SUPPORTED_ROPE_SCALINGS:
-            raise Unsupported(f"rope scaling {kind!r} is not supported (supported: linear, llama3, and dynamic "
-                             f"within the original context)")
+            raise Unsupported(f"rope scaling {kind!r} is not supported (supported: linear, llama3, and dynamic, "
+                             f"which is the plain RoPE within max_position_embeddings)")
 
     @property
     def q_size(self) -> int:
@@ -97,7 +97,7 @@ class ModelArgs:
         # Where a model's attention is not computed here, its context is cut to where the
         # answers are the same (as vLLM's --disable-sliding-window cuts it to the window).
         context = min(n for n in (cfg.get("max_position_embeddings") or DEFAULT_MAX_POSITION[arch],
-                                  sliding_window(cfg, arch), _dynamic_context(cfg)) if n)
+                                  sliding_window(cfg, arch)) if n)
         biased = arch != "mistral" and bool(cfg.get("attention_bias", False))
         return cls(
             vocab_size=cfg["vocab_size"],
@@ -133,17 +133,9 @@ def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
     if not scaling:
         return None
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    # "dynamic" (NTK) changes nothing within the original context, to which the model is cut
+    # "dynamic" (NTK) changes nothing within max_position_embeddings (transformers rescales only past
+    # it, and reads no original_max_position_embeddings for it): the context is at most that
     return None if kind in ("default", "dynamic") else dict(scaling, rope_type=kind)
-
-
-def _dynamic_context(cfg: dict[str, Any]) -> int | None:
-    """The context within which a "dynamic" RoPE scaling is the plain one (`transformers`
-    rescales only past it), or None."""
-    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    if scaling.get("rope_type", scaling.get("type")) != "dynamic":
-        return None
-    return scaling.get("original_max_position_embeddings") or cfg.get("max_position_embeddings")
 
 
 def sliding_window(cfg: dict[str, Any], arch: str) -> int | None:

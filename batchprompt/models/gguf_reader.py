@@ -65,7 +65,9 @@ def read_gguf(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor], dic
             continue
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         w = w.reshape([int(d) for d in reversed(t.shape.tolist())])
-        if args.architecture == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+        # llama.cpp permutes a Llama's q and k rows, their biases too (attention_bias)
+        if args.architecture == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias",
+                                                             "attn_k.bias")):
             w = unpermute_rotary(w, args.num_heads if "attn_q" in t.name else args.num_kv_heads)
         state[name] = torch.from_numpy(np.array(w, dtype=np.float32))  # writable copy
     return args, state, meta
@@ -103,6 +105,10 @@ def _args_from_metadata(meta: dict[str, object], shapes: dict[str, list[int]],
     if get("rope.scaling.type") not in (None, "none"):
         scaling = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor", 1.0)}
     if rope_freqs is not None:
+        dims = int(get("attention.key_length", 0) or hidden // heads)
+        if len(rope_freqs) != dims // 2:
+            raise Unsupported(f"this GGUF file's rope_freqs holds {len(rope_freqs)} factors; heads of {dims} "
+                              f"dimensions take {dims // 2}")
         if scaling is not None:
             raise Unsupported(f"this GGUF file gives both rope_freqs factors and a {scaling['rope_type']!r} RoPE "
                              f"scaling; one is expected")

@@ -173,6 +173,9 @@ class Tokenizer:
         if system is not None and not (messages and messages[0].get("role") == "system"):
             messages.insert(0, {"role": "system", "content": system})
         if not self.has_chat_template:
+            if (template_kwargs or {}).get("tools"):  # they were dropped without a word
+                raise NoChatTemplate("this model has no chat template, so the tools cannot be shown to it: leave "
+                                     "tools out")
             if len(messages) == 1 and messages[0].get("role") == "user" and isinstance(messages[0].get("content"), str):
                 return messages[0]["content"]
             raise NoChatTemplate(f"this model has no chat template, so {_conversation(messages)} cannot be rendered "
@@ -203,7 +206,9 @@ def _conversation(messages: Sequence[Message]) -> str:
     roles = [m.get("role") for m in messages]
     if "system" in roles:
         return "a system prompt"
-    return f"a conversation of {len(messages)} messages" if len(messages) != 1 else f"a {roles[0]!r} message"
+    if len(messages) != 1:
+        return f"a conversation of {len(messages)} messages"
+    return f"{'an' if str(roles[0])[:1] in 'aeiou' else 'a'} {roles[0]!r} message"
 
 
 class TooManyTokens(ValueError):

@@ -262,8 +262,8 @@ class BatchJob:
     async def _collect(self, batch: Batch, plan: Plan, journal: Journal, token_text) -> None:
         """Journal each request as its last choice comes in. A choice that comes back cancelled
         (a cancel, an expiry, the server stopping) did not run: its request is not journaled."""
-        # The name the batch was made under, also where a restart serves the model by another
-        # (--served-model-name): one batch's answers name one model, as the batch does.
+        # A row's answer carries the name its body gave, as the endpoints' do; else the name the batch
+        # was made under, also where a restart serves the model by another (--served-model-name).
         created, model = openai_io.now(), self.batch.get("model") or self.api.state.model_id
         async for index, result in batch:
             if result.finish_reason == "cancelled":
@@ -272,7 +272,9 @@ class BatchJob:
             pending.choices[choice] = result
             if any(c is None for c in pending.choices):
                 continue
-            a = openai_io.answer(pending.row, pending.choices, model, created, token_text, self.id)
+            asked = pending.row.body.get("model")  # a name of the model's, as the endpoints answer it
+            named = asked if isinstance(asked, str) and asked in self.api.state.model_names else model
+            a = openai_io.answer(pending.row, pending.choices, named, created, token_text, self.id)
             await self.api.io(self._record, journal, pending.row.line, pending.row.custom_id, a.ok, a.record,
                               a.prompt_tokens, a.completion_tokens, a.cached_tokens)
 

@@ -37,8 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="a .gguf file, a local Hugging Face directory, a hub id (default: the embedded SmolLM2-135M)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="the name(s) a request's \"model\" may give, as vLLM's option: the first is the one "
-                        "/v1/models lists and answers carry (default: the model's own name, e.g. smollm2-135m)")
+                   help="the name(s) a request's \"model\" may give, as vLLM's option: /v1/models lists each, "
+                        "and an answer carries the one its request gave (the first where it gave none; default: "
+                        "the model's own name, e.g. smollm2-135m)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", default=None, metavar="KEY",

@@ -14,6 +14,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -44,6 +45,7 @@ class DataDir:
                                f"give a directory this user can write") from None
         self._lock_fd: int | None = None
         self._lock()
+        self._remove_stale_temps()
 
     def file_path(self, file_id: str) -> Path:
         """Where a file's contents are: `file_id` is one the server made (looked up first)."""
@@ -51,6 +53,17 @@ class DataDir:
 
     def journal_path(self, batch_id: str) -> Path:
         return self.batches / f"{batch_id}.journal"
+
+    def _remove_stale_temps(self) -> None:
+        """Temp files of writes that a killed server left (`files/<id>.<8 hex>.tmp`, a whole copy
+        of the file each): this server, holding the lock, is the directory's one writer."""
+        pattern = re.compile(r".+\.[0-9a-f]{8}\.tmp")
+        for name in os.listdir(self.files):
+            if pattern.fullmatch(name):
+                try:
+                    os.unlink(self.files / name)
+                except OSError:
+                    pass
 
     def _lock(self) -> None:
         """One server per data directory: two would both run the same batches. flock is

@@ -101,7 +101,8 @@ class ServerState:
     def check_model(self, name) -> None:
         """A request's "model": ours (or left out, or "", as vLLM allows), else 404."""
         if name not in (None, "") and name not in self.model_names:
-            raise ApiError(404, f"the model {name!r} does not exist here: this server runs {self.model_id!r} "
+            names = ", ".join(map(repr, self.config.served_model_names or (self.model_id,)))
+            raise ApiError(404, f"the model {name!r} does not exist here: this server runs {names} "
                                 f"(GET /v1/models)", "model_not_found", "model")
 
     def engine_stats(self) -> EngineStats | None:

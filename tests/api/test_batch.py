@@ -282,6 +282,8 @@ def test_repeated_greedy_prompts_are_computed_once_and_answered_alike(lm, messag
     assert results[0].token_ids == results[3].token_ids and results[0].token_ids
     batch.wait()  # on_tokens has run: every prompt got its tokens
     assert all(streamed[i] == results[i].token_ids for i in range(5))
+    results[0].token_ids.append(-1)  # each its own copy: changing one changes no other
+    assert results[3].token_ids[-1] != -1 and results[2].token_ids[-1] != -1
     before = engine.stats.finished
     sampled = lm.batch_prompt([messages[0]] * 3, temperature=0.8, seed=1)
     assert engine.stats.finished - before == 3 and all(r.ok for r in sampled)

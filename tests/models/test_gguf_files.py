@@ -69,6 +69,11 @@ def _write_gguf(path, hf, *, vocab_size_key: bool = True, rope_freqs: np.ndarray
         for ours, theirs in (("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
                              ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj")):
             w.add_tensor(f"{b}{ours}.weight", sd[f"{p}{theirs}.weight"])
+        if c.attention_bias:  # llama.cpp permutes q's and k's biases as their rows
+            w.add_tensor(b + "attn_q.bias", _permute(sd[p + "self_attn.q_proj.bias"], c.num_attention_heads))
+            w.add_tensor(b + "attn_k.bias", _permute(sd[p + "self_attn.k_proj.bias"], c.num_key_value_heads))
+            w.add_tensor(b + "attn_v.bias", sd[p + "self_attn.v_proj.bias"])
+            w.add_tensor(b + "attn_output.bias", sd[p + "self_attn.o_proj.bias"])
     for name, value in (extra or {}).items():
         w.add_tensor(name, value)
     w.write_header_to_file()
@@ -101,6 +106,29 @@ def test_a_llama31_gguf_runs_its_rope_freqs_scaling(tmp_path):
     ours = build_model(args, weights, torch.float32, torch.device("cpu"))
     ids = torch.randint(0, 97, (150,)).tolist()
     torch.testing.assert_close(full_logits(ours, ids), _logits(hf, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_a_llama_gguf_with_attention_biases_matches_transformers(tmp_path):
+    """llama.cpp permutes q's and k's biases as it permutes their rows: the biases were read
+    as written (and o's was dropped), so such a file answered wrong."""
+    hf = _hf(attention_bias=True)
+    with torch.no_grad():  # random init leaves biases at zero; make them count
+        for layer in hf.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                         layer.self_attn.o_proj):
+                proj.bias.normal_()
+    args, weights = load_hf_weights(resolve_model(_write_gguf(tmp_path / "b.gguf", hf)))
+    assert args.attention_bias and args.o_bias
+    ours = build_model(args, weights, torch.float32, torch.device("cpu"))
+    ids = torch.randint(0, 97, (40,)).tolist()
+    torch.testing.assert_close(full_logits(ours, ids), _logits(hf, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_rope_freqs_of_the_wrong_length_are_refused_naming_the_file(tmp_path):
+    path = _write_gguf(tmp_path / "w.gguf", _hf(), rope_freqs=np.ones(5, np.float32))
+    with pytest.raises(ModelNotFoundError, match=r"w\.gguf: this GGUF file's rope_freqs holds 5 factors; heads of 16 "
+                                                 r"dimensions take 8"):
+        load_hf_weights(resolve_model(path))
 
 
 def test_a_gguf_without_a_vocab_size_key_takes_the_embeddings_rows(tmp_path):

@@ -66,7 +66,7 @@ def test_a_config_this_engine_would_compute_wrongly_or_cannot_read_is_refused(tm
 def test_a_rope_scaling_not_computed_here_is_refused_naming_the_config(tmp_path):
     """`yarn` was refused as the rotary table was made, after every weight was read, without the
     file's name (and `batchprompt run` showed a traceback); `dynamic` is the plain RoPE within
-    the original context, to which the model is cut."""
+    the model's context, as transformers computes it."""
     import json
 
     from batchprompt.models import load_hf_weights
@@ -79,9 +79,10 @@ def test_a_rope_scaling_not_computed_here_is_refused_naming_the_config(tmp_path)
     assert "Is it complete" not in str(e.value)
     from batchprompt.models.config import ModelArgs
 
+    # transformers reads no original_max_position_embeddings for "dynamic": the plain RoPE up to the context
     dynamic = ModelArgs.from_hf_config({**base, "rope_scaling": {"type": "dynamic", "factor": 2.0,
                                                                   "original_max_position_embeddings": 1024}})
-    assert (dynamic.rope_scaling, dynamic.max_position) == (None, 1024)
+    assert (dynamic.rope_scaling, dynamic.max_position) == (None, 4096)
 
 
 @pytest.mark.parametrize("model_type, context", [("llama", 2048), ("mistral", 131072), ("qwen2", 32768),

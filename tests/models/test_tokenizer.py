@@ -69,6 +69,10 @@ def test_local_llama_style_tokenizer_matches_transformers(tmp_path, template):
                 ours.encode_prompt(given, **asked)
         with pytest.raises(NoChatTemplate, match="a conversation of 2 messages"):
             ours.encode_prompt([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+        with pytest.raises(NoChatTemplate, match="an 'assistant' message"):
+            ours.encode_prompt([{"role": "assistant", "content": "b"}])
+        with pytest.raises(NoChatTemplate, match="the tools cannot be shown to it"):  # they were dropped unsaid
+            ours.encode_prompt("a", template_kwargs={"tools": [{"type": "function", "function": {"name": "f"}}]})
     else:
         ids = ours.encode_prompt(MESSAGES[1]["content"], system=MESSAGES[0]["content"])
         assert ids == _template_ids(hf, MESSAGES)

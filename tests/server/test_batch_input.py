@@ -149,6 +149,18 @@ def test_one_server_per_data_dir(tmp_path):
         DataDir(tmp_path / "file")
 
 
+def test_a_server_removes_the_temp_files_a_killed_one_left(tmp_path):
+    """A server killed between writing a file's temp copy and renaming it left the copy in
+    files/ for good; the next server on the directory (holding its lock) removes it."""
+    DataDir(tmp_path / "d").close()
+    files = tmp_path / "d" / "files"
+    (files / "file-1a2b.0badcafe.tmp").write_text("half a copy")
+    (files / "file-1a2b").write_text("a file")
+    (files / "file-9.notours.tmp").write_text("x")
+    DataDir(tmp_path / "d").close()
+    assert sorted(p.name for p in files.iterdir()) == ["file-1a2b", "file-9.notours.tmp"]
+
+
 def test_a_callback_url_with_a_bad_port_is_told_so():
     """It was told to be "an http:// or https:// URL with a host", which it was."""
     from batchprompt.server.batches import check_callback_url

@@ -51,8 +51,20 @@ def test_served_model_names_as_vllm_takes_them(tmp_path):
             assert {chunk.model for chunk in stream} == {name}
         with srv.client() as c:  # no model given: the first name
             assert c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}).json()["model"] == hub_id
-        with pytest.raises(openai.NotFoundError, match="this server runs 'HuggingFaceTB/SmolLM2-135M-Instruct'"):
+        with pytest.raises(openai.NotFoundError, match="this server runs 'HuggingFaceTB/SmolLM2-135M-Instruct', "
+                                                       "'smol'"):
             client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=2)
+        # A Batch API row's answer carries its body's name too (the batch's for a row that gives none)
+        from .batch_util import chat_line, upload, wait_ended
+
+        rows = [chat_line("a", "Hi", model="smol"), chat_line("b", "Hi", model=hub_id), chat_line("c", "Hi")]
+        del rows[2]["body"]["model"]
+        batch = client.batches.create(input_file_id=upload(client, rows).id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        batch = wait_ended(client, batch.id)
+        answers = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+        assert {a["custom_id"]: a["response"]["body"]["model"] for a in answers} == {"a": "smol", "b": hub_id,
+                                                                                    "c": hub_id}
     finally:
         assert stop_server(srv) == 0, srv.output()
 

@@ -172,3 +172,5 @@ def test_tool_fields_that_openai_and_vllm_refuse_are_refused_as_invalid_values(t
     assert e.value.message.startswith(message) and e.value.param == ("tools" if "tools: []" in message
                                                                      else "tool_choice")
     plan_chat({"messages": M, "tool_choice": "none"}, tokenizer, 8192)  # "none" alone runs, as in vLLM
+    # A completion takes no tools: its tool_choice is ignored, as vLLM ignores it (it became a 400)
+    assert plan_completion({"prompt": "hi", "tool_choice": "auto", "max_tokens": 1}, tokenizer, 8192).prepared
