@@ -193,7 +193,7 @@ def test_async_batch_reports_progress_and_posts_its_results_to_the_webhook(serve
 
 def test_async_batch_can_be_cancelled(server):
     with server.client() as c:
-        r = c.post("/v1/batch/async", json={"prompts": ["Letters:"] * 2, "max_tokens": 3000,
+        r = c.post("/v1/batch/async", json={"prompts": ["Letters:", "Letters, again:"], "max_tokens": 3000,
                                             "regex": "[ab]{3000}"})
         batch_id = r.json()["batch_id"]
         server.wait_until(lambda s: s["engine"]["running"] >= 1, "the batch reached the engine")
@@ -247,7 +247,7 @@ def test_a_stop_posts_each_running_async_batch_as_cancelled(tmp_path):
     srv = start_server(tmp_path / "a")
     try:
         with srv.client() as c:
-            r = c.post("/v1/batch/async", json={"prompts": ["Letters:"] * 2, "max_tokens": 3000,
+            r = c.post("/v1/batch/async", json={"prompts": ["Letters:", "Letters, again:"], "max_tokens": 3000,
                                                 "regex": "[ab]{3000}", "callback_url": receiver.url})
             batch_id = r.json()["batch_id"]
             srv.wait_until(lambda s: s["engine"]["running"] >= 1, "the batch reached the engine")

@@ -50,7 +50,7 @@ def made_room(before: tuple[int, int], after: tuple[int, int]) -> bool:
 
 def test_a_chat_request_goes_ahead_of_an_async_batch(server):
     with server.client() as c:
-        r = c.post("/v1/batch/async", json={"prompts": ["Letters:"] * 2, "max_tokens": 3000,
+        r = c.post("/v1/batch/async", json={"prompts": ["Letters:", "Letters, again:"], "max_tokens": 3000,
                                             "regex": "[ab]{3000}"})
         assert r.status_code == 202, r.text
         batch_id = r.json()["batch_id"]
