@@ -145,7 +145,8 @@ class Batch:
                 continue
             also = twins.of.get(p.index, ())
             source.items.append(Item(p.token_ids, p.params, self._handler(p, also),
-                                     on_tokens=self._token_handler(p.index, also) if self._on_tokens else None))
+                                     on_tokens=self._token_handler(p.index, also) if self._on_tokens else None,
+                                     prompts=1 + len(also)))
         self._source = source
         for p in self._prepared:
             if p.token_ids is None:

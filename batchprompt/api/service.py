@@ -505,13 +505,13 @@ class EngineService(StopCounts):
             source.in_engine.pop(item.request_id, None)
             self._discard(item.request_id)
             answer(item, stopped_output(item, self.stop_reason, self._shut_down))
-            self._cut_short += 1
+            self._cut_short += item.prompts
         for source in sources:
             source.cancelled = True
             while source.items:
                 item = source.items.popleft()
                 answer(item, stopped_output(item, self.stop_reason, self._shut_down, ""))
-                self._cut_short += 1
+                self._cut_short += item.prompts
         for name in sessions:  # matters where the caller owns the engine and goes on using it
             try:
                 engine.unpin(name)

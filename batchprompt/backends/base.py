@@ -51,6 +51,9 @@ class Item:
     #: `on_done` (which still carries them all); `logprobs`, where the params ask for them, is
     #: (their log-probs, their top ones), else None. Backends that cannot stream never call it.
     on_tokens: Callable[[list[int], bool, tuple | None], None] | None = None
+    #: How many of the caller's prompts this item answers: a batch's repeated greedy prompts run
+    #: as one item (api.batch), and a stop that cuts it short counts them all.
+    prompts: int = 1
 
 
 @dataclass(eq=False)

@@ -748,7 +748,7 @@ class RemoteBackend(StopCounts):
             self._stats.finished += 1
             self._stats.failed += out.error is not None
         elif self._stopping and self._shut_down:  # cut short by the stop (in flight, or not sent yet)
-            self._cut_short += 1
+            self._cut_short += w.item.prompts
         answer(w.item, out)
 
     def _answer_all(self, reason: str | None) -> None:

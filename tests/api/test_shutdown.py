@@ -165,6 +165,8 @@ def test_a_script_that_ends_while_its_batch_runs_exits_cleanly(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0 and "leaving True" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
     assert "terminate called" not in proc.stderr
+    # The 8 repeated greedy prompts run as one request; the warning counts the prompts
+    assert "the script ended with 8 prompts unfinished: cancelled" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_a_script_that_ends_while_its_batch_runs_says_so_and_runs_no_callback_of_the_cut_results(tmp_path):
