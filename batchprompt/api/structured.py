@@ -153,6 +153,8 @@ class OutputSpec:
                 if asked_stop and result.finish_reason == "stop" and not complete:
                     return result
                 return replace(result, error=f"the output does not parse as the schema asks: {e}")
+            if unreadable is None and self.model_class is None:
+                unreadable = schema_problem(parsed, self.grammar.source)
             if unreadable is not None:
                 return replace(result, error=unreadable)
             return replace(result, parsed=parsed)
@@ -196,6 +198,73 @@ def _read_json(text: str, schema: str) -> tuple[Any, str | None]:
                         f"write)")
     return parsed, (f"the output's number {shown} lies inside the schema's exclusive bound, but as a float it reads "
                     f"{float(number)!r}, the bound itself, which the schema excludes")
+
+
+def schema_problem(parsed: Any, schema: str) -> str | None:
+    """Why the parsed answer breaks `schema` (checked with `jsonschema`, formats included), or
+    None. The grammar engine enforces the schema as the answer is written, but not all of it: it
+    let through a number on an exclusive bound below the next integer (`exclusiveMinimum: 0`
+    with `maximum: 0.5` took 0), a key written twice to reach `minProperties` (the parsed object
+    keeps one), and a date that does not exist (2023-02-29). Such an answer is its row's error,
+    never an `ok` result that breaks its schema. A schema `jsonschema` cannot apply (a `$ref` to
+    another document) leaves the grammar's word."""
+    validator = _validator(schema)
+    if validator is None:
+        return None
+    try:
+        errors = [e for e in validator.iter_errors(parsed) if not _float_multiple(e)]
+    except Exception:  # noqa: BLE001 - a $ref it cannot resolve, a pattern Python's re cannot read
+        return None
+    if not errors:
+        return None
+    from jsonschema.exceptions import best_match
+
+    error = best_match(errors)
+    where = "/".join(map(str, error.absolute_path))
+    return (f"the output breaks its schema{f' at {where}' if where else ''}: {error.message} (the grammar "
+            f"engine let it through)")
+
+
+@functools.lru_cache(maxsize=64)  # a job's rows share one schema
+def _validator(schema: str):
+    try:
+        import jsonschema
+    except ImportError:
+        return None
+    try:
+        node = json.loads(schema)
+        cls = jsonschema.validators.validator_for(node, default=jsonschema.Draft202012Validator)
+        if cls not in (jsonschema.Draft3Validator, jsonschema.Draft4Validator):
+            node = _numeric_exclusive_bounds(node)  # draft 4's `true` beside minimum, as later drafts write it
+        return cls(node, format_checker=cls.FORMAT_CHECKER)
+    except Exception:  # noqa: BLE001 - a schema it cannot read: the grammar's word stands
+        return None
+
+
+def _numeric_exclusive_bounds(node: Any) -> Any:
+    """`node` with draft 4's boolean exclusiveMinimum/Maximum (beside minimum/maximum) as the
+    numbers later drafts take (a validator of those reads `true` as 1)."""
+    if isinstance(node, list):
+        return [_numeric_exclusive_bounds(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _numeric_exclusive_bounds(v) for k, v in node.items()}
+    for key, plain in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if isinstance(out.get(key), bool):
+            if out.pop(key) and _is_number(out.get(plain)):
+                out[key] = out.pop(plain)
+    return out
+
+
+def _float_multiple(error) -> bool:
+    """A `multipleOf` error that is float division's, not the answer's (0.3 / 0.1 is
+    2.9999999999999996): exact in decimal."""
+    if error.validator != "multipleOf" or not _is_number(error.instance) or not _is_number(error.validator_value):
+        return False
+    try:
+        return Decimal(repr(error.instance)) % Decimal(repr(error.validator_value)) == 0
+    except ArithmeticError:
+        return False
 
 
 @functools.lru_cache(maxsize=64)  # a job's rows share one schema

@@ -142,6 +142,11 @@ def _limits(grammar: Grammar, text: str):
         width = len(labels)
     elif grammar.kind == "lark":
         width = text.count("|")
+    elif grammar.is_json:
+        # An object's optional properties make a row of items for each (2,003 for 500 of them, and
+        # the default refused it with "consider making your grammar left-recursive"): bounded by
+        # the schema's size.
+        width = len(grammar.source)
     else:
         return None
     return LLParserLimits(max_items_in_row=max(2000, 2 * width + 16))

@@ -46,9 +46,12 @@ class Grammar:
 
     @classmethod
     def regex(cls, pattern: str) -> "Grammar":
+        """`pattern` with \\d and \\w as ASCII classes, as vLLM's grammar backends and JSON Schema's
+        `pattern` (ECMA-262) read them: the grammar engine reads them as Unicode classes, and the
+        model answered `\\d{4}` with four U+1FBF8 digits."""
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(f"regex must be a non-empty string, got {pattern!r}")
-        return cls("regex", pattern)
+        return cls("regex", ascii_classes(pattern))
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | str, options: dict[str, Any] | None = None,
@@ -122,6 +125,38 @@ class Grammar:
         if self.kind == "lark":
             return LLMatcher.grammar_from_lark(_as_lark(self.source))
         return LLMatcher.grammar_from_json_schema(self.source)
+
+
+#: \d, \D, \w and \W as ASCII classes: outside a class, and (the positive ones) inside one.
+_OUTSIDE = {"d": "[0-9]", "D": "[^0-9]", "w": "[0-9A-Za-z_]", "W": "[^0-9A-Za-z_]"}
+_INSIDE = {"d": "0-9", "w": "0-9A-Za-z_"}
+
+
+def ascii_classes(pattern: str) -> str:
+    """`pattern` with its \\d, \\D, \\w and \\W written as ASCII classes (\\D and \\W inside a
+    bracket class are left as they are). Escapes stay escapes: `\\\\d` is a backslash and a d."""
+    out: list[str] = []
+    i, in_class, class_start = 0, False, -1
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern):
+            nxt = pattern[i + 1]
+            table = _INSIDE if in_class else _OUTSIDE
+            out.append(table.get(nxt, c + nxt))
+            i += 2
+            continue
+        if c == "[" and not in_class:
+            in_class, class_start = True, i
+            if pattern.startswith("[^", i):  # a "]" first in the class is a literal
+                out.append("[^")
+                i += 2
+                class_start = i - 1
+                continue
+        elif c == "]" and in_class and i > class_start + 1:
+            in_class = False
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 def _as_lark(text: str) -> str:

@@ -376,6 +376,39 @@ def test_a_number_inside_an_exclusive_bound_that_a_float_rounds_onto_it_is_an_er
     jsonschema.validate(fine.parsed["p"], schema["properties"]["p"])
 
 
+@pytest.mark.parametrize("schema, text, where", [
+    # The grammar engine let each of these through, as the answers of real rows showed
+    ({"type": "object", "properties": {"p": {"type": "number", "exclusiveMinimum": 0, "maximum": 0.5}}},
+     '{"p": 0}', "at p: 0 is less than or equal to the minimum of 0"),
+    ({"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 3},
+     '{"a": 1, "a": 2, "a": 3}', "does not have enough properties"),  # one key, three times
+    ({"type": "string", "format": "date"}, '"2023-02-29"', "is not a 'date'"),
+])
+def test_an_answer_that_breaks_its_schema_is_an_error_never_ok(schema, text, where):
+    """Each came back ok, with a `parsed` that broke the schema asked for."""
+    r = OutputSpec.from_options(json_schema=schema).finish(bp.Result(0, text, "stop"), complete=True)
+    assert not r.ok and r.parsed is None and where in r.error and "breaks its schema" in r.error, r
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+
+
+@pytest.mark.parametrize("schema, text", [
+    ({"type": "number", "multipleOf": 0.1}, "0.3"),  # 0.3 / 0.1 is 2.9999999999999996 in floats
+    ({"type": "number", "minimum": 0, "exclusiveMinimum": True}, "0.5"),  # draft 4's form: true is not 1
+    ({"type": "string", "format": "date"}, '"2024-02-29"'),
+    ({"$ref": "https://example.com/elsewhere.json"}, '{"a": 1}'),  # cannot be checked here: the grammar's word
+])
+def test_an_answer_that_fits_its_schema_is_not_refused_by_the_check(schema, text):
+    spec = OutputSpec.from_options(json_schema=schema) if "$ref" not in schema else None
+    if spec is None:
+        from batchprompt.api.structured import schema_problem
+
+        assert schema_problem(json.loads(text), json.dumps(schema)) is None
+        return
+    r = spec.finish(bp.Result(0, text, "stop"), complete=True)
+    assert r.ok and r.parsed == json.loads(text), r
+
+
 def test_bad_structured_options_are_clear_errors(lm, messages):
     with pytest.raises(ValueError, match="one structured-output option"):
         lm.batch_prompt(messages[:1], choices=["a", "b"], regex="a")

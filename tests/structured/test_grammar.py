@@ -119,6 +119,33 @@ def test_mask_allows_exactly_the_tokens_the_matcher_accepts(compiler, engine32):
         assert bool(m.try_consume_tokens([i])) == bool(allowed[1, i]), i
 
 
+@pytest.mark.parametrize("pattern, ascii", [
+    (r"\d{4}", "[0-9]{4}"), (r"[\d.]+", "[0-9.]+"), (r"\w+", "[0-9A-Za-z_]+"), (r"\W", "[^0-9A-Za-z_]"),
+    (r"\\d", r"\\d"), (r"[^\w]", "[^0-9A-Za-z_]"), (r"[]\d]", "[]0-9]"), (r"a\.b", r"a\.b"),
+])
+def test_a_regexs_digit_and_word_classes_are_ascii_as_vllm_reads_them(pattern, ascii):
+    assert Grammar.regex(pattern).source == ascii
+
+
+def test_a_regexs_digits_are_ascii_digits_in_the_mask(compiler, engine32):
+    """`\\d` took any Unicode digit: the model answered `\\d{4}` with four U+1FBF8 (a digit of
+    "Symbols for Legacy Computing"), 4 of 5 times."""
+    tok, vocab = engine32.tokenizer, engine32.model.args.vocab_size
+    allowed = allowed_tokens([compiler.matcher(Grammar.regex(r"\d+"))], vocab, torch.device("cpu"))[0]
+    texts = [tok.decode([i]) for i in allowed.nonzero().squeeze(1).tolist()]
+    assert texts and all(t and set(t) <= set("0123456789") for t in texts), [t for t in texts if not t.isascii()][:5]
+
+
+def test_a_schema_of_many_optional_properties_compiles(compiler, engine32):
+    """501 optional properties were refused: "Current row has 2003 items; max is 2000; consider
+    making your grammar left-recursive", which the user cannot act on (all required, it compiled)."""
+    schema = {"type": "object", "properties": {f"f{i}": {"type": "integer"} for i in range(501)}}
+    matcher = compiler.matcher(Grammar.json_schema(schema))
+    for t in engine32.tokenizer.encode('{"f1', add_special_tokens=False):
+        assert matcher.consume_token(t), matcher.get_error()
+    assert not matcher.is_error()
+
+
 def test_choices_with_token_ids_walk_only_those_tokens(compiler, engine32):
     tok = engine32.tokenizer
     labels = ["spam", "ham", "hamper"]
