@@ -97,6 +97,10 @@ class OutputSpec:
             if params.logprobs:  # it gave logprobs=[] silently
                 raise ValueError("logprobs are not available with choice_mode='score': each label's probability "
                                  "is in result.choice_probs (choice_mode='decode' gives the tokens' log-probs)")
+            if params.logit_bias:  # the labels' likelihoods are the model's own: it was ignored without a word
+                raise ValueError("logit_bias does not apply to choice_mode='score', which reads each label's "
+                                 "likelihood from the model as it is: leave logit_bias out, or use "
+                                 "choice_mode='decode'")
             return replace(params, score_choices=ids, max_tokens=1, stop=(), min_tokens=0)
         special = _special_ids(tokenizer)
         for label, label_ids in zip(self.labels, ids):

@@ -475,3 +475,9 @@ def test_logprobs_with_scored_choices_are_refused(lm, messages):
     """They came back as [] without a word."""
     with pytest.raises(ValueError, match="logprobs are not available with choice_mode='score'"):
         lm.batch_prompt(messages[:1], choices=["spam", "ham"], choice_mode="score", logprobs=True)
+
+
+def test_logit_bias_with_scored_choices_is_refused(lm, messages):
+    """{yes: -100} and {yes: +100} gave the same probabilities: the bias was ignored without a word."""
+    with pytest.raises(ValueError, match="logit_bias does not apply to choice_mode='score'"):
+        lm.batch_prompt(messages[:1], choices=["spam", "ham"], choice_mode="score", logit_bias={28: 5.0})
