@@ -82,14 +82,13 @@ def refuse_unsupported(body: dict) -> dict:
 
 
 def _check_tool_fields(body: dict) -> None:
-    """What OpenAI and vLLM refuse as a value, before asking whether it is supported here: an
-    empty `tools`, a tool_choice of another shape, and a tool_choice other than "none" without
-    tools (they were answered 200, or "not supported" for a value that is no tool_choice)."""
+    """What OpenAI and vLLM refuse as a value, before asking whether it is supported here: a
+    tool_choice of another shape, and a tool_choice other than "none" without tools (they were
+    answered 200, or "not supported" for a value that is no tool_choice). An empty `tools`
+    (with any tool_choice) is no tools, as vLLM takes it (OpenAI refuses it)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if "messages" not in body:  # a completion's: it takes no tools, and vLLM ignores the field
         return
-    if isinstance(tools, list) and not tools:
-        raise Refused("tools: []: give at least one tool, or leave tools out", "invalid_value", "tools")
     if choice is None:
         return
     named = (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
@@ -97,7 +96,7 @@ def _check_tool_fields(body: dict) -> None:
     if choice not in ("none", "auto", "required") and not named:
         raise Refused(f'tool_choice must be "none", "auto", "required" or {{"type": "function", "function": '
                       f'{{"name": ...}}}}, got {shown(choice)}', "invalid_value", "tool_choice")
-    if choice != "none" and not tools:
+    if choice != "none" and tools is None:
         raise Refused("tool_choice is only allowed when tools are given (vLLM: \"When using `tool_choice`, `tools` "
                       "must be set\"): leave tool_choice out, or give tools", "invalid_value", "tool_choice")
 
