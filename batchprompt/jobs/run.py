@@ -78,6 +78,7 @@ class JobSummary:
     interrupted_by: int = 0  # the signal (SIGINT: Ctrl-C, SIGTERM) when interrupted
     already_complete: bool = False
     estimate_seconds: float | None = None  # --dry-run
+    calibration_error: str | None = None  # --dry-run: every calibration row failed, the first with this
     notes: list[str] = field(default_factory=list)  # what was read but not as written (Table.notes)
     rows_rerun: int = 0  # rows sent again after the replica running them was lost (Ray)
     not_run: int = 0  # rows that failed for want of a backend (not journaled: a resume runs them)
@@ -98,8 +99,10 @@ class JobSummary:
     def _headline(self) -> str:
         if self.estimate_seconds is not None:
             done = f", {self.resumed} already done (the journal)" if self.resumed else ""
+            estimate = (f"no estimate: every calibration row failed ({self.calibration_error})"
+                        if self.calibration_error else f"estimated run time {_duration(self.estimate_seconds)}")
             return (f"dry run: {_n_rows(self.rows)} ({self.failed} that cannot run{done}), {self.prompt_tokens:,} "
-                    f"prompt tokens to run; estimated run time {_duration(self.estimate_seconds)}")
+                    f"prompt tokens to run; {estimate}")
         if self.already_complete:
             return (f"{_n_rows(self.rows)}: {self.ok} ok, {self.failed} failed, all from an earlier run; "
                     f"{self.prompt_tokens:,} prompt and {self.completion_tokens:,} generated tokens")
@@ -743,12 +746,19 @@ class JobRun:
         sample = ready[:min(opts.calibration_rows, max(4, -(-len(ready) // 10)))]
         items, _ = _items(sample)
         t0 = time.perf_counter()
-        Batch(service, items).wait()
+        results = Batch(service, items).wait()
         per_row = (time.perf_counter() - t0) / max(len(sample), 1)
         summary.estimate_seconds = per_row * len(ready)
         summary.seconds = time.perf_counter() - t0
-        self.say(f"calibration: {_n_rows(len(sample))} in {summary.seconds:.1f}s; larger batches run faster per "
-                 f"row, so the estimate is an upper bound")
+        failed = [r for r in results if r.error is not None]
+        if failed and len(failed) == len(results):  # its time was retries and backoff: no estimate (it gave one)
+            summary.calibration_error = failed[0].error
+            self.say(f"calibration: all {_n_rows(len(sample))} failed in {summary.seconds:.1f}s; the first: "
+                     f"{failed[0].error}")
+            return summary
+        self.say(f"calibration: {_n_rows(len(sample))} in {summary.seconds:.1f}s"
+                 f"{f' ({len(failed)} failed; the first: {failed[0].error})' if failed else ''}; larger batches "
+                 f"run faster per row, so the estimate is an upper bound")
         return summary
 
     def _compute(self, service: Backend, todo: list[Row], journal: Journal, model_name: str,

@@ -463,6 +463,19 @@ def test_dry_run_counts_and_estimates_without_running(tmp_path, capsys):
     assert "calibration: 4 rows in" in err  # a tenth of them, at least 4 (it ran all 40: the whole job)
 
 
+def test_a_dry_run_whose_calibration_rows_all_fail_gives_no_estimate(tmp_path, capsys):
+    """Every calibration row failed (an endpoint answering 500, retried with backoff), and the dry
+    run gave their retries' time as the estimate, with nothing said of the failures."""
+    inp = tmp_path / "in.jsonl"
+    write_sms_batch(inp, 8)
+    args = ["run", str(inp), "-o", str(tmp_path / "o.jsonl"), "--dry-run", "--no-progress"]
+    assert main(args + ["--regex", "[ab]{40}", "--max-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "calibration: all 4 rows failed in" in err and "the first: the output reached max_tokens" in err, err
+    assert "no estimate: every calibration row failed (the output reached max_tokens" in err
+    assert "estimated run time" not in err
+
+
 @pytest.mark.slow
 def test_a_dry_run_reads_the_jobs_journal_as_the_run_would(tmp_path, capsys):
     """It ignored the journal: it estimated every row of a job half done, and estimated a job
