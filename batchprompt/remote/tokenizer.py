@@ -33,21 +33,29 @@ def load_tokenizer(name: str | None) -> tuple[Tokenizer, int | None]:
                         f"batchprompt run --tokenizer)") from None
 
 
+#: The files of a hub repository that its tokenizer (and its context length) are read from.
+TOKENIZER_PATTERNS = ["*.json", "*.jinja", "tokenizer*", "*.model", "*.tiktoken", "vocab*", "merges.txt"]
+
+
 def _hub_tokenizer(repo_id: str) -> tuple[Tokenizer, int | None]:
     try:
-        from transformers import AutoConfig, AutoTokenizer
+        from huggingface_hub import snapshot_download
+        from transformers import AutoTokenizer
 
-        hf = AutoTokenizer.from_pretrained(repo_id)
+        # The tokenizer's files in one call, then read from disk: AutoTokenizer fetched them one by
+        # one, each retried, and offline a served name that is no hub id took about 50 s to fail.
+        path = Path(snapshot_download(repo_id, allow_patterns=TOKENIZER_PATTERNS))
+        hf = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # offline, unknown repo, gated repo
         raise PoolError(f"cannot load the tokenizer of {repo_id!r} ({type(e).__name__}: {e}); the pool renders "
                         f"prompts with the model's own tokenizer: give it as a local model directory or .gguf "
                         f"file, or 'smollm2-135m' for the embedded model (bp.EndpointPool(tokenizer=...), "
                         f"batchprompt run --tokenizer)") from None
     try:
-        ctx = getattr(AutoConfig.from_pretrained(repo_id), "max_position_embeddings", None)
-    except Exception:  # noqa: BLE001  (a tokenizer-only repo: the servers' limit then applies)
+        ctx = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):  # a tokenizer-only repo: the servers' limit then applies
         ctx = None
-    return Tokenizer(hf), ctx
+    return Tokenizer(hf), ctx if isinstance(ctx, int) else None
 
 
 def _local_context(source) -> int | None:
