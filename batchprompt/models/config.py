@@ -24,7 +24,7 @@ class Unsupported(ValueError):
 def check_architecture(arch: str) -> None:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise Unsupported(f"model architecture {arch!r} is not supported; "
-                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class ModelArgs:
         kind = (self.rope_scaling or {}).get("rope_type")
         if kind is not None and kind not in SUPPORTED_ROPE_SCALINGS:
             raise Unsupported(f"rope scaling {kind!r} is not supported (supported: linear, llama3, and dynamic, "
-                             f"which is the plain RoPE within max_position_embeddings)")
+                              f"which is the plain RoPE within max_position_embeddings)")
 
     @property
     def q_size(self) -> int:

@@ -56,7 +56,7 @@ def read_gguf(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor], dic
     unknown = [t.name for t in reader.tensors if hf_name(t.name) is None and t.name != "rope_freqs.weight"]
     if unknown:
         raise Unsupported(f"this GGUF file holds tensors that this code does not compute ({', '.join(unknown[:3])}"
-                         f"{', ...' if len(unknown) > 3 else ''}): a model of another kind, whose answers would be "
+                          f"{', ...' if len(unknown) > 3 else ''}): a model of another kind, whose answers would be "
                          f"wrong here")
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
@@ -111,7 +111,7 @@ def _args_from_metadata(meta: dict[str, object], shapes: dict[str, list[int]],
                               f"dimensions take {dims // 2}")
         if scaling is not None:
             raise Unsupported(f"this GGUF file gives both rope_freqs factors and a {scaling['rope_type']!r} RoPE "
-                             f"scaling; one is expected")
+                              f"scaling; one is expected")
         scaling = {"rope_type": "freq_factors", "factors": rope_freqs}
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return ModelArgs(
