@@ -57,7 +57,7 @@ def read_gguf(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor], dic
     if unknown:
         raise Unsupported(f"this GGUF file holds tensors that this code does not compute ({', '.join(unknown[:3])}"
                           f"{', ...' if len(unknown) > 3 else ''}): a model of another kind, whose answers would be "
-                         f"wrong here")
+                          f"wrong here")
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = hf_name(t.name)
