@@ -99,21 +99,9 @@ class EngineService(StopCounts):
         self._stopping, self.stop_reason = True, FORKED
         self._callbacks.after_fork()
         # What the parent's batches had here is answered with FORKED: a batch running at the fork
-        # waited for ever in the child (its engine thread is the parent's alone).
-        commands, self._commands = self._commands, []
-        sources, self._sources = list(self._sources), deque()
-        in_engine, self._in_engine = list(self._in_engine.values()), {}
-        for _, fut in commands:
-            if fut.set_running_or_notify_cancel():
-                fut.set_exception(EngineStoppedError(FORKED))
-        for source, item in in_engine:
-            source.in_engine.pop(item.request_id, None)
-            answer(item, stopped_output(item, FORKED, False))
-        for source in sources:
-            source.cancelled = True
-            while source.items:
-                item = source.items.popleft()
-                answer(item, stopped_output(item, FORKED, False, ""))
+        # waited for ever in the child (its engine thread is the parent's alone, so nothing is
+        # dropped from the engine's copy).
+        self._answer_pending(*self._take_pending(), discard=False)
 
     def _wait_built(self) -> None:
         """Wait for the engine thread to build the engine; its exception is raised here. If the
@@ -401,6 +389,35 @@ class EngineService(StopCounts):
             fed[p] = fed.get(p, 0) + 1
         return fed
 
+    def _take_pending(self) -> tuple[list, list[Source], list[tuple[Source, Item]]]:
+        """The commands, the sources waiting and the items in the engine, taken (hold `_cond`)."""
+        commands, self._commands = self._commands, []
+        sources, self._sources = list(self._sources), deque()
+        in_engine, self._in_engine = list(self._in_engine.values()), {}
+        return commands, sources, in_engine
+
+    def _answer_pending(self, commands: list, sources: list[Source], in_engine: list[tuple[Source, Item]],
+                        discard: bool) -> int:
+        """Fail the commands and answer every item with the stop's reason (`discard`: drop those in
+        the engine from it); returns how many prompts the items answered."""
+        for _, fut in commands:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineStoppedError(self.stop_reason))
+        prompts = 0
+        for source, item in in_engine:
+            source.in_engine.pop(item.request_id, None)
+            if discard:
+                self._discard(item.request_id)
+            answer(item, stopped_output(item, self.stop_reason, self._shut_down))
+            prompts += item.prompts
+        for source in sources:
+            source.cancelled = True
+            while source.items:
+                item = source.items.popleft()
+                answer(item, stopped_output(item, self.stop_reason, self._shut_down, ""))
+                prompts += item.prompts
+        return prompts
+
     def _discard(self, rid: str) -> None:
         """Drop a request the engine may hold half-added, so it is not stepped for ever (its
         'abort' output comes back from a step and is ignored: it is no longer ours)."""
@@ -491,27 +508,12 @@ class EngineService(StopCounts):
             if not self._stopping:
                 self._stopping = True
                 self.stop_reason = f"the engine stopped: {failure} (the next call starts a fresh engine)"
-            commands, self._commands = self._commands, []
-            sources, self._sources = list(self._sources), deque()
+            pending = self._take_pending()
             sessions, self._sessions = list(self._sessions), set()
-            in_engine, self._in_engine = list(self._in_engine.values()), {}
             self._streaming.clear()
         _unregister(self)
-        for _, fut in commands:
-            if fut.set_running_or_notify_cancel():
-                fut.set_exception(EngineStoppedError(self.stop_reason))
         engine = self._engine
-        for source, item in in_engine:
-            source.in_engine.pop(item.request_id, None)
-            self._discard(item.request_id)
-            answer(item, stopped_output(item, self.stop_reason, self._shut_down))
-            self._cut_short += item.prompts
-        for source in sources:
-            source.cancelled = True
-            while source.items:
-                item = source.items.popleft()
-                answer(item, stopped_output(item, self.stop_reason, self._shut_down, ""))
-                self._cut_short += item.prompts
+        self._cut_short += self._answer_pending(*pending, discard=True)
         for name in sessions:  # matters where the caller owns the engine and goes on using it
             try:
                 engine.unpin(name)
