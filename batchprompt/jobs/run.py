@@ -514,7 +514,8 @@ class JobRun:
             # this one (one that writes the same output through a link, or with its own --journal, too)
             for written in (opts.output, errors_path):  # a run killed as it wrote them left its temp files
                 if written and not _streamed(written):
-                    remove_stale_temps(os.path.realpath(written))
+                    real = Path(os.path.realpath(written))
+                    remove_stale_temps(real.parent, real.name)
             fresh = not Path(journal_path).exists()
             if opts.restart and any(isinstance(r, Row) for r in table.rows):
                 # Loaded before --restart empties the journal: an option the engine refuses (or a

@@ -114,21 +114,22 @@ def _create_temp(dest: Path) -> tuple[int, str]:
     raise StorageError(dest, "no unused temp file name", False)
 
 
-def remove_stale_temps(dest: str | Path) -> int:
-    """Remove the temp files that write_atomic left beside `dest` when its process was killed
-    between writing and renaming (each a whole copy of the file); returns how many. Call it only
-    while holding what makes this process `dest`'s one writer (a run's lock on its output)."""
-    dest = Path(dest)
-    pattern = re.compile(re.escape(dest.name) + r"\.[0-9a-f]{8}\.tmp")
+def remove_stale_temps(folder: str | Path, name: str | None = None) -> int:
+    """Remove the temp files that write_atomic left in `folder` (those of the file `name`, or of
+    any file) when its process was killed between writing and renaming (each a whole copy of the
+    file); returns how many. Call it only while holding what makes this process their one writer
+    (a run's lock on its output, a server's on its data directory)."""
+    folder = Path(folder)
+    pattern = re.compile((".+" if name is None else re.escape(name)) + r"\.[0-9a-f]{8}\.tmp")  # _create_temp's
     removed = 0
     try:
-        names = os.listdir(dest.parent)
+        names = os.listdir(folder)
     except OSError:
         return 0
-    for name in names:
-        if pattern.fullmatch(name):
+    for found in names:
+        if pattern.fullmatch(found):
             try:
-                os.unlink(dest.parent / name)
+                os.unlink(folder / found)
                 removed += 1
             except OSError:
                 pass

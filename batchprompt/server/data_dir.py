@@ -14,9 +14,10 @@ import errno
 import fcntl
 import json
 import os
-import re
 import time
 from pathlib import Path
+
+from ..jobs.storage import remove_stale_temps
 
 
 class DataDirError(ValueError):
@@ -45,7 +46,7 @@ class DataDir:
                                f"give a directory this user can write") from None
         self._lock_fd: int | None = None
         self._lock()
-        self._remove_stale_temps()
+        remove_stale_temps(self.files)  # a killed server's, each a whole copy of a file: this one holds the lock
 
     def file_path(self, file_id: str) -> Path:
         """Where a file's contents are: `file_id` is one the server made (looked up first)."""
@@ -53,17 +54,6 @@ class DataDir:
 
     def journal_path(self, batch_id: str) -> Path:
         return self.batches / f"{batch_id}.journal"
-
-    def _remove_stale_temps(self) -> None:
-        """Temp files of writes that a killed server left (`files/<id>.<8 hex>.tmp`, a whole copy
-        of the file each): this server, holding the lock, is the directory's one writer."""
-        pattern = re.compile(r".+\.[0-9a-f]{8}\.tmp")
-        for name in os.listdir(self.files):
-            if pattern.fullmatch(name):
-                try:
-                    os.unlink(self.files / name)
-                except OSError:
-                    pass
 
     def _lock(self) -> None:
         """One server per data directory: two would both run the same batches. flock is
