@@ -20,7 +20,8 @@ from .grammar_step import advance_grammar
 from .kv_cache import KVCacheManager
 from .outputs import RequestOutput
 from .request import Request
-from .samples import SampleGroups, attach_sampling_state, child_params, sample_id, sampling_problem
+from .samples import (SampleGroups, attach_sampling_state, child_params, prompt_ids_problem, sample_id,
+                      sampling_problem)
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .scoring import add_candidate_score, choose_best, start_scoring
@@ -190,9 +191,9 @@ class LLMEngine:
             return "the prompt is empty: give at least one token"
         if len(ids) >= self.max_model_len:
             return prompt_too_long(str(len(ids)), self.max_model_len)
-        vocab = self.model.args.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            return f"the prompt has token ids outside the vocabulary [0, {vocab})"
+        problem = prompt_ids_problem(ids, self.model.args.vocab_size)
+        if problem is not None:
+            return problem
         if self.kv.blocks_needed(len(ids) + 1) > self.pool.max_blocks:
             return (f"the prompt needs more KV cache ({len(ids)} tokens) than the budget holds "
                     f"({self.pool.max_blocks * self.config.block_size} tokens): raise kv_cache_memory")

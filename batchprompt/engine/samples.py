@@ -127,6 +127,13 @@ def attach_sampling_state(chunks: list[ScheduledChunk], requests: dict[str, Requ
             c.banned_token_ids = tuple(sorted(set(eos) | set(p.stop_token_ids)))
 
 
+def prompt_ids_problem(ids, vocab_size: int) -> str | None:
+    """What the engine cannot run in a prompt's token ids: ids outside the vocabulary."""
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        return f"the prompt has token ids outside the vocabulary [0, {vocab_size})"
+    return None
+
+
 def sampling_problem(params: SamplingParams, vocab_size: int) -> str | None:
     """What the engine cannot run in these parameters (token ids outside the vocabulary)."""
     for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):

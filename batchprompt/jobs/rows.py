@@ -399,8 +399,6 @@ def json_loads(text: str | bytes) -> Any:
         text = text.removeprefix(b"\xef\xbb\xbf")
     try:
         return json.loads(text, parse_constant=_no_constant)
-    except json.JSONDecodeError:
-        raise
     except RecursionError:
         doc = text if isinstance(text, str) else text.decode("utf-8", "replace")
         raise json.JSONDecodeError("nested too deeply for the JSON parser", doc, 0) from None
@@ -409,7 +407,7 @@ def json_loads(text: str | bytes) -> Any:
         raise json.JSONDecodeError(f"{e} is not a JSON value (write a number, or null)", doc,
                                    max(doc.find(str(e)), 0)) from None
     except ValueError as e:
-        if "integer string conversion" not in str(e):  # invalid UTF-8 bytes: the callers' own
+        if "integer string conversion" not in str(e):  # a JSONDecodeError, invalid UTF-8 bytes: the callers' own
             raise
         # Python's limit on an integer's digits (sys.get_int_max_str_digits): a plain ValueError
         # failed a whole `run`, and a Batch API file as an internal error without its line.

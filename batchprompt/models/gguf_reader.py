@@ -64,7 +64,7 @@ def read_gguf(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor], dic
         if name is None:
             continue
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        w = w.reshape([int(d) for d in reversed(t.shape.tolist())])
+        w = w.reshape(shapes[t.name])
         # llama.cpp permutes a Llama's q and k rows, their biases too (attention_bias)
         if args.architecture == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias",
                                                              "attn_k.bias")):

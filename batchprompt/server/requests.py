@@ -18,7 +18,7 @@ from ..api.batch import Prepared
 from ..jobs import rows as job_rows
 from ..jobs import openai_io, refusals
 from ..jobs.rows import CHAT, COMPLETION, Row, RowError, max_tokens_name
-from ..engine.samples import sampling_problem
+from ..engine.samples import prompt_ids_problem, sampling_problem
 from ..jobs.run import JobOptions, render, row_params, row_spec
 from .errors import ApiError
 
@@ -79,9 +79,7 @@ def vocabulary_problem(plan: Plan, vocab_size: int) -> ApiError | None:
     and then an error event, where OpenAI and vLLM refuse the request (the client's status-based
     error handling missed it)."""
     for p in plan.prepared:
-        ids = p.token_ids or ()
-        message = (f"the prompt has token ids outside the vocabulary [0, {vocab_size})"
-                   if ids and (min(ids) < 0 or max(ids) >= vocab_size) else sampling_problem(p.params, vocab_size))
+        message = prompt_ids_problem(p.token_ids, vocab_size) or sampling_problem(p.params, vocab_size)
         if message is not None:
             body = plan.rows[p.index // plan.n].body
             code = openai_io.failure_code(message, body)
