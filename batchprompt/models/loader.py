@@ -121,9 +121,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def unused_tensors(args: ModelArgs, hf: dict[str, torch.Tensor]) -> None:
     """Unsupported where `hf` holds a tensor that `to_internal_state` leaves out (an o_proj or
     MLP bias, a classifier's `score.weight`): the model would run without it and answer wrong."""
-    used = set(_used_names(args))
-    if args.tie_embeddings:
-        used.add("lm_head.weight")  # tied: transformers ties it to the embedding too
+    used = {name for _, sources, _ in _layout(args) for name in sources}
+    used.add("lm_head.weight")  # tied, a checkpoint may carry it still: transformers ties it to the embedding
     extra = sorted(k for k in hf if k not in used and not k.endswith(_IGNORED_SUFFIXES))
     if extra:
         raise Unsupported(f"the checkpoint holds tensors this code does not compute ({', '.join(extra[:3])}"
@@ -133,21 +132,6 @@ def unused_tensors(args: ModelArgs, hf: dict[str, torch.Tensor]) -> None:
         raise Unsupported("the checkpoint has no lm_head.weight and its config does not tie the output head to "
                           "the embedding (tie_word_embeddings): not a causal language model's checkpoint (a "
                           "classifier's?)")
-
-
-def _used_names(args: ModelArgs):
-    yield from ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
-    for i in range(args.num_layers):
-        p = f"model.layers.{i}."
-        yield from (p + "input_layernorm.weight", p + "post_attention_layernorm.weight")
-        yield from (p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down"))
-        yield from (p + f"self_attn.{n}_proj.weight" for n in "qkvo")
-        if args.attention_bias:
-            yield from (p + f"self_attn.{n}_proj.bias" for n in "qkv")
-        if args.o_bias:
-            yield p + "self_attn.o_proj.bias"
-        if args.qk_norm:
-            yield from (p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight")
 
 
 def _load_hf_weights(source: ModelSource) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
@@ -194,28 +178,38 @@ def _with_generation_eos(eos: tuple[int, ...], path: Path, vocab_size: int) -> t
                        and i not in eos)
 
 
-def to_internal_state(args: ModelArgs, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename HF tensors to LlamaModel's, fusing q/k/v and gate/up into one matmul each and
-    storing matmul weights transposed ([in, out], see `Dense`)."""
-    out = {"embed.weight": hf["model.embed_tokens.weight"], "norm": hf["model.norm.weight"]}
+def _layout(args: ModelArgs):
+    """Each of LlamaModel's tensors: its name, the checkpoint tensors it is made of (q/k/v and
+    gate/up are fused into one matmul each, joined along rows) and whether it is stored
+    transposed ([in, out], see `Dense`). The one statement of how checkpoint names map to ours."""
+    yield "embed.weight", ["model.embed_tokens.weight"], False
+    yield "norm", ["model.norm.weight"], False
     if not args.tie_embeddings:
-        out["lm_head.weight"] = hf["lm_head.weight"]
+        yield "lm_head.weight", ["lm_head.weight"], False
     for i in range(args.num_layers):
         p, q = f"model.layers.{i}.", f"layers.{i}."
         att = p + "self_attn."
-        out[q + "attn_norm"] = hf[p + "input_layernorm.weight"]
-        out[q + "mlp_norm"] = hf[p + "post_attention_layernorm.weight"]
-        out[q + "attn.qkv.weight_t"] = torch.cat([hf[att + f"{n}_proj.weight"] for n in "qkv"]).t()
+        yield q + "attn_norm", [p + "input_layernorm.weight"], False
+        yield q + "mlp_norm", [p + "post_attention_layernorm.weight"], False
+        yield q + "attn.qkv.weight_t", [att + f"{n}_proj.weight" for n in "qkv"], True
         if args.attention_bias:
-            out[q + "attn.qkv.bias"] = torch.cat([hf[att + f"{n}_proj.bias"] for n in "qkv"])
+            yield q + "attn.qkv.bias", [att + f"{n}_proj.bias" for n in "qkv"], False
         if args.qk_norm:
-            out[q + "attn.q_norm"] = hf[att + "q_norm.weight"]
-            out[q + "attn.k_norm"] = hf[att + "k_norm.weight"]
-        out[q + "attn.o.weight_t"] = hf[att + "o_proj.weight"].t()
+            yield q + "attn.q_norm", [att + "q_norm.weight"], False
+            yield q + "attn.k_norm", [att + "k_norm.weight"], False
+        yield q + "attn.o.weight_t", [att + "o_proj.weight"], True
         if args.o_bias:
-            out[q + "attn.o.bias"] = hf[att + "o_proj.bias"]
-        out[q + "gate_up.weight_t"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]).t()
-        out[q + "down.weight_t"] = hf[p + "mlp.down_proj.weight"].t()
+            yield q + "attn.o.bias", [att + "o_proj.bias"], False
+        yield q + "gate_up.weight_t", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], True
+        yield q + "down.weight_t", [p + "mlp.down_proj.weight"], True
+
+
+def to_internal_state(args: ModelArgs, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename HF tensors to LlamaModel's (see `_layout`)."""
+    out = {}
+    for name, sources, transposed in _layout(args):
+        t = hf[sources[0]] if len(sources) == 1 else torch.cat([hf[k] for k in sources])
+        out[name] = t.t() if transposed else t
     return out
 
 
