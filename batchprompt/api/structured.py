@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from ..engine import SamplingParams
 from ..structured import Grammar
-from ..structured.grammar import check_choices
+from ..structured.grammar import ascii_classes, check_choices
 from ..structured.validate import grammar_problem
 from .result import Result
 
@@ -47,8 +47,8 @@ class OutputSpec:
             raise ValueError(f"choice_mode must be 'score' or 'decode', got {choice_mode!r}")
         schema_option = "json_schema"
         if response_format is not None:
-            json_schema = _from_response_format(response_format, json_schema)
-            schema_option = "response_format"
+            given_schema, json_schema = json_schema, _from_response_format(response_format, json_schema)
+            schema_option = "json_schema" if json_schema is given_schema else "response_format"
         given = [n for n, v in (("choices", choices), ("regex", regex), (schema_option, json_schema),
                                 ("grammar", grammar)) if v is not None]
         if len(given) > 1:
@@ -56,7 +56,7 @@ class OutputSpec:
         if choices is not None:
             return cls(None, tuple(check_choices(choices)), mode)
         if regex is not None:
-            return cls(_checked("regex", Grammar.regex(regex)))
+            return cls(_checked("regex", Grammar.regex(regex), written=regex))
         if grammar is not None:
             return cls(_checked("grammar", Grammar.lark(grammar)))
         if json_schema is not None:
@@ -144,23 +144,27 @@ class OutputSpec:
         if self.grammar.is_json:
             if cut and complete is False:  # "1" of an integer >= 100000 parses, but is no answer
                 return self._cut(result, max_tokens)
-            unreadable = None
+            # A stop string or stop token the caller gave ended the answer before its grammar was
+            # whole ("1" of "150" under minimum 100): its text is the answer, nothing parsed. (A
+            # remote server cannot say: an answer cut so is one that does not parse or check.)
+            stopped = asked_stop and result.finish_reason == "stop" and not complete
+            if stopped and complete is False:
+                return result
             try:
-                if self.model_class is not None:
+                parsed, unreadable = _read_json(result.text, self.grammar.source)
+                if unreadable is None and self.model_class is not None:  # 1e999 is inf to pydantic too
                     parsed = self.model_class.model_validate_json(result.text)
-                else:
-                    parsed, unreadable = _read_json(result.text, self.grammar.source)
+                elif unreadable is None:
+                    unreadable = schema_problem(parsed, self.grammar.source)
             except ValueError as e:  # json.JSONDecodeError and pydantic's ValidationError
                 # A remote server cannot say whether a cut output is complete: it is if it parses.
                 if cut:
                     return self._cut(result, max_tokens)
-                if asked_stop and result.finish_reason == "stop" and not complete:
+                if stopped:
                     return result
                 return replace(result, error=f"the output does not parse as the schema asks: {e}")
-            if unreadable is None and self.model_class is None:
-                unreadable = schema_problem(parsed, self.grammar.source)
             if unreadable is not None:
-                return replace(result, error=unreadable)
+                return result if stopped else replace(result, error=unreadable)
             return replace(result, parsed=parsed)
         return result
 
@@ -240,8 +244,37 @@ def _validator(schema: str):
         cls = jsonschema.validators.validator_for(node, default=jsonschema.Draft202012Validator)
         if cls not in (jsonschema.Draft3Validator, jsonschema.Draft4Validator):
             node = _numeric_exclusive_bounds(node)  # draft 4's `true` beside minimum, as later drafts write it
+        # A pattern as the grammar engine reads it (ECMA-262): \d and \w ASCII, \p{Lu} and (?<name>)
+        # taken. Python's `re` read \D as Unicode (an Arabic digit failed `^\D+$`), and one pattern it
+        # cannot read ended the whole check, formats included.
+        cls = jsonschema.validators.extend(cls, {"pattern": _pattern_keyword})
         return cls(node, format_checker=cls.FORMAT_CHECKER)
     except Exception:  # noqa: BLE001 - a schema it cannot read: the grammar's word stands
+        return None
+
+
+def _pattern_keyword(validator, pattern: str, instance: Any, schema: dict):
+    """jsonschema's `pattern` keyword, read as the grammar engine reads it (see ecma_pattern);
+    a pattern that cannot be read here is the grammar's word alone."""
+    if not validator.is_type(instance, "string"):
+        return
+    compiled = ecma_pattern(pattern)
+    if compiled is not None and not compiled.search(instance):
+        from jsonschema.exceptions import ValidationError
+
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+@functools.lru_cache(maxsize=256)
+def ecma_pattern(pattern: str):
+    r"""A JSON Schema `pattern` (ECMA-262) compiled as close to ECMA's reading as Python gets:
+    \d, \w and their negations ASCII (`ascii_classes`, nested classes read by the `regex`
+    module's V1), Unicode properties and `(?<name>...)` taken; None where it cannot be read."""
+    import regex
+
+    try:
+        return regex.compile(ascii_classes(pattern), regex.V1)
+    except (regex.error, ValueError, TypeError, OverflowError):
         return None
 
 
@@ -310,13 +343,13 @@ def _special_ids(tokenizer) -> set[int]:
 def _from_response_format(fmt: Any, json_schema: Any) -> Any:
     """OpenAI's response_format ({"type": "json_schema", "json_schema": {"schema": ...}},
     {"type": "json_object"}, {"type": "text"}) or a pydantic class, as a json_schema option."""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":  # asks for no constraint: a json_schema beside it stands, as choices and regex do
+        return json_schema
     if json_schema is not None:
         raise ValueError("give either response_format or json_schema, not both")
     if isinstance(fmt, type):
         return fmt
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return None
     if kind == "json_object":
         return "json_object"
     if kind == "json_schema":
@@ -335,10 +368,14 @@ def _from_response_format(fmt: Any, json_schema: Any) -> Any:
                      f'got {shown if len(shown) <= 60 else shown[:57] + "..."}')
 
 
-def _checked(option: str, grammar: Grammar) -> Grammar:
-    """`grammar` if llguidance can use it; otherwise a ValueError naming the option, before any work."""
+def _checked(option: str, grammar: Grammar, written: str | None = None) -> Grammar:
+    """`grammar` if llguidance can use it; otherwise a ValueError naming the option, before any work.
+    `written`: the regex as the caller wrote it, which the message names beside llguidance's
+    quote of it as it was given (its \\d and \\w as ASCII classes)."""
     problem = grammar_problem(grammar)
     if problem is not None:
+        if written is not None and written != grammar.source:
+            problem += f" (your regex: {written}, given to it with \\d and \\w written as ASCII classes)"
         raise ValueError(f"bad {option} (fix it): {problem}")
     return grammar
 

@@ -306,6 +306,10 @@ STRUCTURED_KEYS = ("choice", "regex", "json", "grammar", "json_object")
 STRUCTURED_FLAGS = ("disable_additional_properties", "disable_any_whitespace", "disable_fallback")
 
 
+def _text_format(rf: Any) -> bool:
+    return isinstance(rf, dict) and rf.get("type") == "text"
+
+
 def row_spec(row: Row, opts: JobOptions) -> OutputSpec | None:
     """The row's structured output: OpenAI's response_format, vLLM's guided_* fields or its
     structured_outputs object; the command's --choices/--regex/--json-schema when none."""
@@ -327,10 +331,12 @@ def row_spec(row: Row, opts: JobOptions) -> OutputSpec | None:
     json_schema = one("guided_json", "json")
     if json_schema is None and so.get("json_object"):
         json_schema = "json_object"
-    if json_schema is not None and b.get("response_format") is not None:
+    if json_schema is not None and b.get("response_format") is not None and not _text_format(b["response_format"]):
         given = "guided_json" if b.get("guided_json") is not None else "structured_outputs"
         raise ValueError(f"response_format and {given} both ask for a constraint: give one of them")
     rf = b.get("response_format")
+    if json_schema is not None and _text_format(rf):  # "text" asks for no constraint: the other one stands
+        rf = None
     if rf is not None and not (isinstance(rf, dict) and rf.get("type") in ("text", "json_object", "json_schema")):
         # A body's, from JSON: the Python API's message offered "a pydantic model class" here.
         raise ValueError(f'response_format must be {{"type": "json_schema", "json_schema": {{"name": ..., "schema": '

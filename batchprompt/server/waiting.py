@@ -12,6 +12,7 @@ from fastapi import Request
 
 from ..api.batch import Batch
 from ..api.result import Result
+from ..jobs import openai_io
 from .errors import ApiError
 from .responses import DONE, KEEP_ALIVE, Chunks, error_event, result_error
 from .schemas import CLIENT_GONE
@@ -91,7 +92,9 @@ async def events(state: ServerState, batch: Batch, chunks: Chunks) -> AsyncItera
                         yield chunk
                     continue
                 received += 1
-                if result.finish_reason in ("error", "cancelled"):
+                # A failed choice, as an answer not streamed fails (openai_io.failed_choice): also one
+                # whose finished text broke its schema, which ended "stop" with no error before.
+                if result.finish_reason == "cancelled" or openai_io.failed_choice([result]) is not None:
                     yield error_event(_stream_error(state, result, chunks.plan.rows[index // chunks.plan.n].body))
                     yield DONE
                     finished = True

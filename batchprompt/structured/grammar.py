@@ -127,14 +127,16 @@ class Grammar:
         return LLMatcher.grammar_from_json_schema(self.source)
 
 
-#: \d, \D, \w and \W as ASCII classes: outside a class, and (the positive ones) inside one.
+#: \d, \D, \w and \W as ASCII classes: outside a class, and inside one, where the negated ones
+#: are a nested class (`[^\W\d_]` is `[^[^0-9A-Za-z_]0-9_]`, the ASCII letters), which the grammar
+#: engine reads as a union, as the `regex` module's V1 does.
 _OUTSIDE = {"d": "[0-9]", "D": "[^0-9]", "w": "[0-9A-Za-z_]", "W": "[^0-9A-Za-z_]"}
-_INSIDE = {"d": "0-9", "w": "0-9A-Za-z_"}
+_INSIDE = {"d": "0-9", "w": "0-9A-Za-z_", "D": "[^0-9]", "W": "[^0-9A-Za-z_]"}
 
 
 def ascii_classes(pattern: str) -> str:
-    """`pattern` with its \\d, \\D, \\w and \\W written as ASCII classes (\\D and \\W inside a
-    bracket class are left as they are). Escapes stay escapes: `\\\\d` is a backslash and a d."""
+    """`pattern` with its \\d, \\D, \\w and \\W written as ASCII classes, in a bracket class
+    too. Escapes stay escapes: `\\\\d` is a backslash and a d."""
     out: list[str] = []
     i, in_class, class_start = 0, False, -1
     while i < len(pattern):
@@ -144,6 +146,11 @@ def ascii_classes(pattern: str) -> str:
             table = _INSIDE if in_class else _OUTSIDE
             out.append(table.get(nxt, c + nxt))
             i += 2
+            if in_class and nxt in "dDwWsS" and pattern.startswith("-", i) and not pattern.startswith("-]", i):
+                # `[\w-.]`: a hyphen after a class is itself, as Python and ECMA-262 without the u flag
+                # read it (the common e-mail pattern); the grammar engine refused it as a range
+                out.append("\\-")
+                i += 1
             continue
         if c == "[" and not in_class:
             in_class, class_start = True, i

@@ -383,6 +383,11 @@ def test_a_number_inside_an_exclusive_bound_that_a_float_rounds_onto_it_is_an_er
     ({"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 3},
      '{"a": 1, "a": 2, "a": 3}', "does not have enough properties"),  # one key, three times
     ({"type": "string", "format": "date"}, '"2023-02-29"', "is not a 'date'"),
+    # Formats jsonschema checks only with its format-nongpl libraries: these passed unchecked
+    ({"type": "string", "format": "date-time"}, '"2023-02-29T10:00:00Z"', "is not a 'date-time'"),
+    ({"type": "string", "format": "time"}, '"25:00:00Z"', "is not a 'time'"),
+    ({"type": "string", "format": "duration"}, '"P1X"', "is not a 'duration'"),
+    ({"type": "string", "format": "hostname"}, '"' + "a" * 300 + '.com"', "is not a 'hostname'"),
 ])
 def test_an_answer_that_breaks_its_schema_is_an_error_never_ok(schema, text, where):
     """Each came back ok, with a `parsed` that broke the schema asked for."""
@@ -392,11 +397,43 @@ def test_an_answer_that_breaks_its_schema_is_an_error_never_ok(schema, text, whe
         jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
 
 
+@pytest.mark.parametrize("schema, text, where", [
+    # A pattern Python's re cannot read (\p{Lu}) turned the whole check off, the date's included
+    ({"type": "object", "properties": {"d": {"type": "string", "format": "date"},
+                                       "n": {"type": "string", "pattern": "^\\p{Lu}"}}},
+     '{"d": "2023-02-29", "n": "Alice"}', "at d: '2023-02-29' is not a 'date'"),
+    ({"type": "string", "pattern": "^\\p{Lu}"}, '"alice"', "does not match"),
+    ({"type": "string", "pattern": "^(?<word>[^\\W]+)$"}, '"\u00e9t\u00e9"', "does not match"),  # ASCII \W
+])
+def test_a_pattern_is_read_as_ecma_262_and_never_turns_the_check_off(schema, text, where):
+    r"""jsonschema reads `pattern` with Python's re, which refuses \p{Lu} and (?<name>...): the
+    whole check was skipped, and an impossible date came back ok. Here the patterns are read as
+    the grammar engine reads them (the reference below: the `regex` module, by hand)."""
+    r = OutputSpec.from_options(json_schema=schema).finish(bp.Result(0, text, "stop"), complete=True)
+    assert not r.ok and r.parsed is None and where in r.error and "breaks its schema" in r.error, r
+    import regex
+
+    value = json.loads(text)
+    if isinstance(value, dict):  # the date alone breaks it: "Alice" starts with a capital
+        assert regex.search(r"^\p{Lu}", value["n"])
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(value["d"], schema["properties"]["d"],
+                                format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    else:
+        by_hand = {"alice": r"^\p{Lu}", "\u00e9t\u00e9": r"^[0-9A-Za-z_]+$"}[value]  # \W as ECMA reads it
+        assert not regex.search(by_hand, value)
+
+
 @pytest.mark.parametrize("schema, text", [
     ({"type": "number", "multipleOf": 0.1}, "0.3"),  # 0.3 / 0.1 is 2.9999999999999996 in floats
     ({"type": "number", "minimum": 0, "exclusiveMinimum": True}, "0.5"),  # draft 4's form: true is not 1
     ({"type": "string", "format": "date"}, '"2024-02-29"'),
     ({"$ref": "https://example.com/elsewhere.json"}, '{"a": 1}'),  # cannot be checked here: the grammar's word
+    # \D is ASCII in ECMA-262 and in the grammar engine: an Arabic-Indic digit is not a digit there,
+    # where Python's re read it as one and failed the answer the grammar had allowed
+    ({"type": "string", "pattern": "^\\D+$"}, '"\u0661"'),
+    ({"type": "string", "format": "date-time"}, '"2024-02-29T10:00:00Z"'),
+    ({"type": "string", "pattern": "^\\p{Lu}[a-z]+$"}, '"Alice"'),
 ])
 def test_an_answer_that_fits_its_schema_is_not_refused_by_the_check(schema, text):
     spec = OutputSpec.from_options(json_schema=schema) if "$ref" not in schema else None
@@ -407,6 +444,66 @@ def test_an_answer_that_fits_its_schema_is_not_refused_by_the_check(schema, text
         return
     r = spec.finish(bp.Result(0, text, "stop"), complete=True)
     assert r.ok and r.parsed == json.loads(text), r
+
+
+def test_a_stop_string_that_cuts_a_json_answer_that_parses_leaves_its_text():
+    """"1" of "150", cut by the stop string "5", parses as JSON but broke minimum 100: the row
+    failed, saying the grammar engine had let it through. As a cut object does, it is the answer
+    with finish_reason "stop", nothing parsed; from a remote server (which cannot say whether
+    the grammar was whole) too."""
+    spec = OutputSpec.from_options(json_schema={"type": "integer", "minimum": 100, "maximum": 999})
+    for complete in (False, None):
+        r = spec.finish(bp.Result(0, "1", "stop"), complete=complete, asked_stop=True)
+        assert r.ok and r.text == "1" and r.parsed is None, (complete, r)
+    # Without a stop string of the caller's, the same answer is the check's error
+    assert "breaks its schema" in spec.finish(bp.Result(0, "1", "stop"), complete=True).error
+    assert spec.finish(bp.Result(0, "150", "stop"), complete=True, asked_stop=True).parsed == 150
+
+
+def test_a_pydantic_class_refuses_a_number_too_large_for_a_float():
+    """pydantic read 1e999 as inf: ok, with x=inf, where the dict schema's answer was the error."""
+    class R(pydantic.BaseModel):
+        x: float
+
+    r = OutputSpec.from_options(json_schema=R).finish(bp.Result(0, '{"x":1e999}', "stop"), complete=True)
+    assert not r.ok and "too large for a float" in r.error and r.parsed is None, r
+
+
+def test_response_format_text_beside_a_json_schema_asks_for_nothing_more():
+    """{"type": "text"} asks for no constraint: beside choices or a regex it was taken, beside a
+    json_schema it was "give either response_format or json_schema, not both"."""
+    spec = OutputSpec.from_options(json_schema={"type": "integer"}, response_format={"type": "text"})
+    assert spec.grammar.is_json
+    with pytest.raises(ValueError, match="not both"):
+        OutputSpec.from_options(json_schema={"type": "integer"}, response_format={"type": "json_object"})
+
+
+@pytest.mark.parametrize("pattern, inside, outside", [
+    (r"[^\W\d_]+", "abcXYZ", "\u00e9t\u00e9"),  # letters: ASCII ones only
+    (r"[\D]+", "ab\u0661", "a1"),  # \D in a class: not an ASCII digit
+    (r"[\w-.]+@x", "a-b.c@x", "\u00e9@x"),  # a hyphen after \w is itself (the grammar engine refused it)
+])
+def test_regex_classes_inside_brackets_are_ascii(engine32, pattern, inside, outside):
+    r"""[^\W] matched é (the grammar engine reads \W as Unicode); \D and \W inside a class were
+    left to it. The README says \d and \w are ASCII."""
+    from batchprompt.structured import Grammar, GrammarCompiler
+
+    spec = OutputSpec.from_options(regex=pattern)
+    tok = engine32.tokenizer
+    compiler = GrammarCompiler(tok.hf, engine32.model.args.vocab_size, tok.eos_token_ids)
+    for text, fits in ((inside, True), (outside, False)):
+        m = compiler.matcher(spec.grammar)
+        ids = tok.encode(text)
+        assert (m.try_consume_tokens(ids) == len(ids) and m.is_accepting()) is fits, (pattern, text)
+    assert isinstance(spec.grammar, Grammar)
+
+
+def test_a_refused_regex_names_it_as_written():
+    """The grammar engine quotes the pattern as it was given to it, [0-9A-Za-z_]{2,1}: the
+    message names the caller's too."""
+    with pytest.raises(ValueError) as e:
+        OutputSpec.from_options(regex=r"\w{2,1}")
+    assert "your regex: \\w{2,1}," in str(e.value), e.value
 
 
 def test_bad_structured_options_are_clear_errors(lm, messages):

@@ -195,3 +195,22 @@ def test_a_table_says_which_answers_max_tokens_cut(tmp_path, capsys):
     rows = pyarrow.csv.read_csv(out).to_pylist()
     assert [(r["finish_reason"], r["error"]) for r in rows] == [("length", None)] * 2
     assert all(r["result"].startswith("{") for r in rows)
+
+
+def test_a_text_response_format_beside_guided_json_asks_for_nothing_more():
+    """response_format {"type": "text"} asks for no constraint (OpenAI's default): beside
+    guided_json the row failed ("response_format and guided_json both ask for a constraint"),
+    where beside guided_regex it ran."""
+    from batchprompt.jobs.rows import CHAT, Row
+    from batchprompt.jobs.run import JobOptions, row_spec
+
+    opts = JobOptions(input="in.jsonl", output="out.jsonl")
+    schema = {"type": "integer"}
+    for field in ("guided_json", "structured_outputs"):
+        value = schema if field == "guided_json" else {"json": schema}
+        body = {"response_format": {"type": "text"}, field: value}
+        spec = row_spec(Row(1, "a", CHAT, messages=[{"role": "user", "content": "hi"}], body=body), opts)
+        assert spec is not None and spec.grammar.is_json, field
+    both = {"response_format": {"type": "json_object"}, "guided_json": schema}
+    with pytest.raises(ValueError, match="both ask for a constraint"):
+        row_spec(Row(1, "a", CHAT, messages=[{"role": "user", "content": "hi"}], body=both), opts)

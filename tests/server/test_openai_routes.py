@@ -384,6 +384,23 @@ def test_structured_output_json_schema(server):
     jsonschema.validate(json.loads(choice.message.content), schema)
 
 
+def test_a_streamed_answer_that_breaks_its_schema_ends_with_an_error_event(server):
+    """The grammar forces "2023-02-29" (a const), which is no date: unstreamed it is a 400; the
+    stream of it ended with finish_reason "stop" and no error, as if the answer were good."""
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "A date?"}], "max_tokens": 16,
+            "guided_json": {"const": "2023-02-29", "format": "date"}}
+    with server.client() as c:
+        whole = c.post("/v1/chat/completions", json=body)
+        assert whole.status_code == 400 and "is not a 'date'" in error_of(whole)["message"], whole.text
+        with c.stream("POST", "/v1/chat/completions", json=dict(body, stream=True)) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events
+    last = json.loads(events[-2])
+    assert "is not a 'date'" in last["error"]["message"], events
+    finished = [ch["finish_reason"] for e in events[:-2] for ch in json.loads(e)["choices"]]
+    assert "stop" not in finished, events
+
+
 @pytest.mark.parametrize("field, value", [("max_tokens", -5), ("n", 0), ("top_p", 2), ("temperature", -1),
                                           ("presence_penalty", 9), ("stop", [""]),
                                           ("stop", "")])  # as vLLM: an empty stop string, alone too
