@@ -196,7 +196,9 @@ class EngineService(StopCounts):
         threading.Thread(target=compile_then_queue, name=f"batchprompt-grammar-{self.name}", daemon=True).start()
 
     def _uncompiled_grammars(self, source: Source) -> list:
-        compiler = getattr(getattr(self, "engine", None), "grammars", None)
+        # `_engine`, not `engine`: on a stopped service that raises (not AttributeError), and a batch
+        # started after bp.shutdown() was never answered (its first wait() raised, later ones hung)
+        compiler = getattr(self._engine, "grammars", None)
         if compiler is None:
             return []
         seen: dict[int, Any] = {}  # by identity: a batch's items share one grammar object

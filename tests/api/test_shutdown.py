@@ -109,6 +109,23 @@ def test_shutdown_cancels_waiters_frees_the_engine_and_the_next_call_builds_a_fr
     assert bp.shutdown("smollm2-135m") >= 1 and fresh.stopped
 
 
+def test_a_batch_made_before_shutdown_and_started_after_comes_back_cancelled(messages):
+    """Its start raised EngineStoppedError out of the stopped service's grammar look-up before
+    its items were answered: the first wait() raised, every later one waited for ever, and
+    on_complete never ran."""
+    lm = bp.LanguageModel.create(system=SPAM_SYSTEM, device="cpu", dtype="float32", engine_options=SMALL,
+                                 max_tokens=3)
+    batch = lm.create_batch(messages[:2])
+    completed = []
+    batch.on_complete(completed.append)
+    assert bp.shutdown("smollm2-135m") >= 1
+    for _ in range(2):
+        results = batch.wait(timeout=30)
+        assert [r.finish_reason for r in results] == ["cancelled", "cancelled"], results
+        assert all("shut down" in r.error for r in results)
+    assert batch.done and len(completed) == 1
+
+
 def test_close_releases_the_engine_once_no_other_session_uses_it(messages):
     lm = bp.LanguageModel.create(system=SPAM_SYSTEM, model="smollm2-135m", device="cpu", dtype="bfloat16",
                                  engine_options=SMALL, max_tokens=3)
