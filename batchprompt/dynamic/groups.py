@@ -19,7 +19,7 @@ class _Group:
     asyncio callers on one loop submitted in the same turn of the loop (they share one group,
     so resolving a batch costs one loop callback per loop, not one per item)."""
 
-    __slots__ = ("results", "remaining", "lock", "loop", "waiters", "resolved", "next", "solo", "waited")
+    __slots__ = ("results", "remaining", "lock", "loop", "waiters", "resolved", "next", "solo", "waited", "woken")
 
     def __init__(self, n: int, loop: asyncio.AbstractEventLoop | None):
         self.results: list[Any] = [None] * n
@@ -30,6 +30,7 @@ class _Group:
         # waits on several groups in turn (imap), oldest first, against the chains' newest first.
         self.solo = False
         self.waited = False  # its wake-up is taken: by its caller, or by a helper in its place (leave)
+        self.woken = False  # its lock is released, or about to be (set first, by whoever wakes it)
         if loop is None:
             self.lock = new_lock()
             self.lock.acquire()
@@ -43,18 +44,37 @@ class _Group:
         try:
             self.lock.acquire()
         except BaseException:
-            self.leave()
+            # Interrupted (KeyboardInterrupt in the main thread). Once woken, the lock is this
+            # caller's or nobody's: pass the wake-up on now. A helper that waited on the lock
+            # here waited for ever where the signal landed just after the acquire returned.
+            if self.woken:
+                self.waited = True
+                self.pass_on()
+            else:
+                self.leave()
             raise
         self.waited = True
-        if self.next is not None:
-            self.next.lock.release()
-            self.next = None  # a thread's group is reused for its next call (call_one)
+        self.pass_on()
+
+    def pass_on(self) -> None:
+        """Wake the next caller in this one's chain."""
+        nxt, self.next = self.next, None  # a thread's group is reused for its next call (call_one)
+        if nxt is not None:
+            nxt.wake()
+
+    def wake(self) -> None:
+        self.woken = True
+        self.lock.release()
 
     def leave(self) -> None:
-        """The caller's wait was interrupted (KeyboardInterrupt in the main thread): a helper
-        thread takes its wake-up and passes it on, so that the rest of its chain still wakes."""
+        """The caller's wait was interrupted before its wake-up came: a helper thread takes it
+        and passes it on, so that the rest of its chain still wakes."""
         self.waited = True
-        threading.Thread(target=self.wait, name="dynamically-chain", daemon=True).start()
+        threading.Thread(target=self._take_wake_up, name="dynamically-chain", daemon=True).start()
+
+    def _take_wake_up(self) -> None:
+        self.lock.acquire()
+        self.pass_on()
 
 
 class _LoopBuffer:
@@ -85,7 +105,7 @@ def hand_over(groups: list[_Group]) -> None:
     for group in groups:  # each chain's head is pushed last: the chains run newest to oldest
         if group.loop is None:
             if group.solo:
-                group.lock.release()
+                group.wake()
             else:
                 group.next, chains[i] = chains[i], group
                 i = (i + 1) % _CHAINS
@@ -93,7 +113,7 @@ def hand_over(groups: list[_Group]) -> None:
             by_loop.setdefault(group.loop, []).append(group)
     for head in chains:
         if head is not None:
-            head.lock.release()
+            head.wake()
     for loop, gs in by_loop.items():
         try:
             loop.call_soon_threadsafe(resolve, gs)

@@ -131,7 +131,7 @@ class BatchProcessor(RunQueue, Worker):
         group = _Group(n, None)
         group.solo = solo or timeout is not None
         if n == 0:
-            group.lock.release()
+            group.wake()
             return group
         now = time.monotonic()
         deadline = now + timeout if timeout is not None else None
@@ -177,7 +177,7 @@ class BatchProcessor(RunQueue, Worker):
             raise
         results = group.results
         r, results[0] = results[0], None
-        group.remaining, group.waited = 1, False
+        group.remaining, group.waited, group.woken = 1, False, False
         _spare.group = group  # not reached if the wait was interrupted: the group may still be queued
         return value(r)
 

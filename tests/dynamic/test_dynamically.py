@@ -247,6 +247,60 @@ def test_a_caller_interrupted_between_queueing_and_waiting_does_not_stall_its_ch
     assert results == {i: 10 * i for i in range(1, 9)}
 
 
+def test_a_caller_interrupted_just_after_its_wake_up_still_wakes_its_chain(monkeypatch):
+    """A signal that lands as the acquire of the caller's wake-up returns: the helper meant to
+    take the wake-up in its place waited on the lock the caller already held, and the callers
+    after it in its chain waited for ever (found with _thread.interrupt_main)."""
+    from batchprompt.dynamic import groups, processor
+
+    class Interrupted(Exception):
+        pass
+
+    main = threading.current_thread()
+
+    class LandsAfterAcquire:
+        """A lock whose second acquire in the main thread (the wait) takes it, then raises."""
+
+        def __init__(self):
+            self.lock, self.acquires = threading.Lock(), 0
+
+        def acquire(self, *args, **kwargs):
+            got = self.lock.acquire(*args, **kwargs)
+            self.acquires += 1
+            if self.acquires == 2 and threading.current_thread() is main:
+                raise Interrupted
+            return got
+
+        def release(self):
+            self.lock.release()
+
+    rec = Recorder(hold_first=True)
+    f = bp.dynamically(batch_size=9, timeout_ms=60_000)(rec)
+    results = {}
+    others = [threading.Thread(target=lambda i=i: results.__setitem__(i, f(i))) for i in range(1, 9)]
+    for t in others:
+        t.start()
+    queued(f, 8)
+    processor._spare.__dict__.pop("group", None)  # the main thread's call makes a new group
+    monkeypatch.setattr(groups, "new_lock", LandsAfterAcquire)
+    caller = {}
+
+    def release_when_all_queued():
+        rec.started.wait(LIMIT_S)
+        rec.release.set()
+
+    threading.Thread(target=release_when_all_queued, daemon=True).start()
+    try:
+        f(0)
+    except Interrupted:
+        caller["raised"] = True
+    monkeypatch.setattr(groups, "new_lock", threading.Lock)
+    for t in others:
+        t.join(LIMIT_S)
+    assert caller == {"raised": True}
+    assert results == {i: 10 * i for i in range(1, 9)}
+
+
 def test_an_interrupted_thread_caller_does_not_stall_the_others_in_its_batch():
     """Ctrl-C while the main thread waits (here a signal handler that raises): that call raises,
     and the callers that its thread would have woken in its chain still get their results."""
