@@ -28,6 +28,7 @@ class CallbackThread:
         self._closed = False
         self._dropping = False
         self.dropped = 0  # callbacks on cut results not run since drop_cut()
+        self.ran = 0  # callbacks run by the thread
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
@@ -61,6 +62,20 @@ class CallbackThread:
                 self._closed = True
                 self._queue.put(None)
 
+    def drain(self, stall_s: float) -> int:
+        """Wait for the thread to run what was dispatched before close(), for as long as its
+        callbacks go on finishing (a wait of `stall_s` with none finished ends it). Returns how
+        many were left unrun (0 once the thread has ended). At exit: a fixed deadline dropped the
+        callbacks of results that had come, after about 10 s of slow ones, without a word."""
+        while self.thread.is_alive():
+            before = self.ran
+            self.thread.join(stall_s)
+            if self.ran == before:
+                break
+        if not self.thread.is_alive():
+            return 0
+        return max(self._queue.qsize() - (1 if self._closed else 0), 0) + 1  # the one running too
+
     def _loop(self) -> None:
         _local.active = True
         while True:
@@ -68,6 +83,7 @@ class CallbackThread:
             if job is None:
                 return
             _run(*job)
+            self.ran += 1
 
 
 #: How often each callback (by its code) has raised: its first error is logged with the

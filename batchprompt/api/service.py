@@ -572,6 +572,22 @@ def _stop_at_exit() -> None:
             os._exit(130)
         except Exception:  # noqa: BLE001 - exiting: the others must still be stopped
             log.exception("stopping an engine at exit failed")
+    # The callbacks of results that came before or during the exit run, however long they take
+    # in all, while each finishes within EXIT_WAIT_S (the fixed deadline above dropped them).
+    unrun = 0
+    for service in services:
+        try:
+            finish = getattr(service, "finish_callbacks", None)
+            unrun += finish(EXIT_WAIT_S) if finish is not None else 0
+        except KeyboardInterrupt:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
+        except Exception:  # noqa: BLE001 - exiting: the others' callbacks must still run
+            log.exception("running the callbacks at exit failed")
+    if unrun:
+        log.warning("the script ended with %d batch callback call%s not run: one ran for over %gs at exit",
+                    unrun, "" if unrun == 1 else "s", EXIT_WAIT_S)
     cut = sum(s.cancelled_at_stop for s in running)
     if cut:
         dropped = sum(s.callbacks_dropped for s in running)

@@ -95,6 +95,11 @@ class StopCounts:
     def callbacks_dropped(self) -> int:
         return self._callbacks.dropped
 
+    def finish_callbacks(self, stall_s: float) -> int:
+        """After a stop: run the callbacks of results that came, while they go on finishing (see
+        CallbackThread.drain); how many were left unrun."""
+        return self._callbacks.drain(stall_s)
+
 
 @runtime_checkable
 class Backend(Protocol):

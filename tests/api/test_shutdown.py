@@ -233,6 +233,50 @@ def test_a_script_that_ends_while_its_batch_runs_says_so_and_runs_no_callback_of
             f"calls due for them. Call wait() on a batch") in proc.stderr, proc.stderr[-2000:]
 
 
+def test_at_exit_the_callbacks_of_results_that_came_all_run_however_long_they_take_in_all(tmp_path):
+    """Every result was in, and the script ended while its slow on_result callbacks ran: the
+    exit's fixed 10 s deadline dropped the rest, and on_complete, without a word. Now they run
+    while each finishes within the wait (here lowered to 1 s, against 6 callbacks of 0.4 s)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "slow_callbacks.py"
+    script.write_text(
+        "import time\n"
+        "import batchprompt as bp\n"
+        "import batchprompt.api.service as service\n"
+        "service.EXIT_WAIT_S = 1.0\n"
+        "lm = bp.LanguageModel.create(max_tokens=3, engine_options={'kv_cache_memory': 64 << 20, "
+        "'max_model_len': 1024})\n"
+        "b = lm.create_batch([f'Name a colour ({i})' for i in range(6)])\n"
+        "b.on_result(lambda i, r: (time.sleep(0.4), print('on_result', i, flush=True)))\n"
+        "b.on_complete(lambda rs: print('on_complete', len(rs), flush=True))\n"
+        "b.start()\n"
+        "while not b.done:\n"
+        "    time.sleep(0.02)\n"
+        "print('leaving', flush=True)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0 and "leaving" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
+    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("on_result")) == [
+        f"on_result {i}" for i in range(6)], proc.stdout
+    assert "on_complete 6" in proc.stdout and "not run" not in proc.stderr, (proc.stdout, proc.stderr[-2000:])
+
+
+def test_a_callback_stuck_at_exit_is_left_with_a_warning():
+    from batchprompt.api.callbacks import CallbackThread
+
+    stuck = threading.Event()
+    thread = CallbackThread("test-stuck-callbacks")
+    thread.dispatch(lambda: stuck.wait(30))
+    thread.dispatch(lambda: None)
+    thread.close()
+    started = time.monotonic()
+    assert thread.drain(0.3) == 2  # the one running and the one after it
+    assert time.monotonic() - started < 5
+    stuck.set()
+    assert thread.drain(5) == 0
+
+
 def test_a_ctrl_c_while_the_engines_stop_at_exit_ends_the_process_at_once(monkeypatch):
     """A second Ctrl-C while the exit waited for an engine thread to leave its step printed
     "Exception ignored in atexit callback ... KeyboardInterrupt" with its traceback."""
