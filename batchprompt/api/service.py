@@ -293,7 +293,8 @@ class EngineService(StopCounts):
         prepare_engine_thread()  # before this thread runs any op: why, in device.py
         if build is not None:
             try:
-                self._engine = build()
+                with _building:
+                    self._engine = build()
             except BaseException as e:  # noqa: BLE001  (raised in the constructor's thread)
                 self._built.set_exception(e)
                 return
@@ -549,6 +550,10 @@ _services: dict[tuple, EngineService] = {}
 _services_lock = threading.Lock()
 # Every service made in this process, and every backend given to `stop_at_exit`, for `_stop_at_exit`.
 _alive: weakref.WeakSet = weakref.WeakSet()
+#: One engine build at a time in a process. A build left running by a Ctrl-C (its caller gone)
+#: and the retry's build imported transformers at once, and the retry failed ("cannot import name
+#: 'AutoTokenizer' from 'transformers'"): the retry now waits for it.
+_building = threading.Lock()
 EXIT_WAIT_S = 10.0  # at exit, how long in all to wait for engine threads to leave their step
 
 

@@ -277,6 +277,35 @@ def test_a_callback_stuck_at_exit_is_left_with_a_warning():
     assert thread.drain(5) == 0
 
 
+def test_engine_builds_run_one_at_a_time(engine32):
+    """A build left running by a Ctrl-C (its caller gone) and the retry's build ran at once, and
+    the retry failed importing transformers beside the first ("cannot import name
+    'AutoTokenizer'"). The second build now waits for the first to end."""
+    from batchprompt.api.service import EngineService
+
+    first_running, first_done, overlapped = threading.Event(), threading.Event(), []
+
+    def slow_build():
+        first_running.set()
+        time.sleep(1.0)
+        first_done.set()
+        return engine32
+
+    def second_build():
+        overlapped.append(not first_done.is_set())
+        return engine32
+
+    services = []
+    t = threading.Thread(target=lambda: services.append(EngineService(slow_build, name="build-1")), daemon=True)
+    t.start()
+    assert first_running.wait(30)
+    services.append(EngineService(second_build, name="build-2"))
+    t.join(30)
+    assert overlapped == [False]
+    for service in services:
+        service.shutdown(30)
+
+
 def test_a_ctrl_c_while_the_engines_stop_at_exit_ends_the_process_at_once(monkeypatch):
     """A second Ctrl-C while the exit waited for an engine thread to leave its step printed
     "Exception ignored in atexit callback ... KeyboardInterrupt" with its traceback."""
