@@ -3,7 +3,8 @@
 Routes live in routes_*.py, one file per family, each an APIRouter included here: the health
 routes, OpenAI's completions and chat, vLLM's tokenizer routes, the batch endpoints, and
 OpenAI's Files and Batch API.
-Middleware, outermost first: metrics (and each answer's X-Request-Id), CORS (with
+Middleware, outermost first: metrics (and each answer's X-Request-Id), the shutdown's cut of
+transfers blocked on their client (transfers.py), CORS (with
 --allowed-origins), the API key (every /v1 route), the body size limit."""
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from .errors import install_handlers
 from .metrics import Metrics
 from .middleware import LimitBody, RecordMetrics, RequireApiKey
 from .openapi import openapi_schema
-from .state import ServerState, close
+from .state import SHUTTING_DOWN, ServerState, close
+from .transfers import EndOnShutdown
 
 
 def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAPI:
@@ -52,5 +54,6 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
     if config.allowed_origins:  # outside the key check: a browser's preflight carries no key
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["x-request-id"])
+    app.add_middleware(EndOnShutdown, transfers=state.transfers, message=SHUTTING_DOWN)
     app.add_middleware(RecordMetrics, metrics=metrics, routes=[r for m in modules for r in m.router.routes])
     return app

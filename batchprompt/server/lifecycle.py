@@ -5,6 +5,7 @@ than waited for (a long generation would otherwise hold the shutdown). Whatever 
 it, the process is gone SHUTDOWN_LIMIT_S after the signal: a stuck stop must not need kill -9."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -14,6 +15,7 @@ import threading
 import uvicorn
 
 from .state import ServerState
+from .transfers import GRACE_S
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -41,6 +43,25 @@ class Server(uvicorn.Server):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    async def shutdown(self, sockets=None) -> None:
+        aborter = asyncio.ensure_future(self._abort_unflushed())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            aborter.cancel()
+
+    async def _abort_unflushed(self) -> None:
+        """A connection whose answer the shutdown cut (transfers.py) is closed by uvicorn, and a
+        close waits for its unsent bytes: a client that does not read held the exit for uvicorn's
+        graceful timeout (30 s). Such connections, closing already, are aborted."""
+        await asyncio.sleep(GRACE_S * 2)
+        while True:
+            for connection in list(self.server_state.connections):
+                transport = getattr(connection, "transport", None)
+                if transport is not None and transport.is_closing():
+                    transport.abort()
+            await asyncio.sleep(GRACE_S / 2)
 
     def handle_exit(self, sig, frame) -> None:
         if self.should_exit and sig == signal.SIGINT:

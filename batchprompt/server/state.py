@@ -25,6 +25,7 @@ from .batch_api import BatchApi
 from .batches import STOP_TIMEOUT_S, BatchStore, Webhooks
 from .config import ServerConfig
 from .errors import ApiError
+from .transfers import Transfers
 
 log = logging.getLogger("batchprompt")
 
@@ -55,6 +56,7 @@ class ServerState:
         self.cancelled: Counter[str] = Counter()  # requests cancelled, by reason (metrics)
         self.abandoned = asyncio.Event()  # set when a shutdown's cancel is not done in CANCEL_GRACE_S
         self.stopping = asyncio.Event()  # set when the shutdown begins (shutting_down)
+        self.transfers = Transfers()  # requests blocked on their client, cut by the shutdown
         self._service: EngineService | None = None
         self._lock = threading.Lock()
         self._active: set[Batch] = set()  # batches of requests being answered (not async batches)
@@ -168,6 +170,7 @@ class ServerState:
         if self.shutting_down:
             return self._cancelling
         self.stopping.set()
+        self.transfers.cut_blocked()
         with self._lock:
             active = list(self._active)
         if active:

@@ -251,6 +251,82 @@ def test_a_webhook_receiver_that_never_answers_holds_a_stop_for_seconds_at_most(
     assert took < 9, took  # the cancel, then the post's 3 s at most (it waited its whole timeout, 10 s)
 
 
+def test_a_stop_cuts_requests_whose_body_is_still_coming_with_a_503_at_once(tmp_path):
+    """A client still sending its body (a slow upload) held the stop for uvicorn's graceful
+    timeout (30 s), then got a text/plain 500, and the log a CancelledError traceback. Now it gets
+    the 503 `shutting_down` in OpenAI's shape within a second or two, and the exit is prompt."""
+    import socket
+
+    srv = start_server(tmp_path)
+    socks = []
+    try:
+        host, port = srv.url.removeprefix("http://").split(":")
+        boundary = "xyzzy"
+        upload_head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+                       f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.jsonl\"\r\n"
+                       f"Content-Type: application/jsonl\r\n\r\n")
+        for path, ctype, start in (("/v1/files", f"multipart/form-data; boundary={boundary}", upload_head),
+                                   ("/v1/chat/completions", "application/json", '{"messages": [')):
+            sock = socket.create_connection((host, int(port)), timeout=30)
+            sock.sendall((f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: {ctype}\r\n"
+                          f"Content-Length: 100000\r\n\r\n{start}").encode())
+            socks.append(sock)
+        time.sleep(1.0)  # the server is reading both bodies
+        started = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        answers = []
+        for sock in socks:
+            data = b""
+            while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < 20:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+            answers.append(data.decode(errors="replace"))
+        took = time.monotonic() - started
+        assert srv.proc.wait(STOP_TIMEOUT_S) == 0, srv.output()[-3000:]
+        exited = time.monotonic() - started
+    finally:
+        for sock in socks:
+            sock.close()
+        stop_server(srv)
+    for answer in answers:
+        assert answer.startswith("HTTP/1.1 503"), answer[:300]
+        assert json.loads(answer.split("\r\n\r\n", 1)[1])["error"]["code"] == "shutting_down", answer
+    assert took < 10 and exited < 20, (took, exited)  # it was 30 s, then a 500
+    assert "Traceback" not in srv.output() and "CancelledError" not in srv.output(), srv.output()[-3000:]
+
+
+def test_a_stop_cuts_a_download_to_a_client_that_does_not_read(tmp_path):
+    """A client reading a file's content slowly (here: not at all) held the stop for 30 s, and
+    the log got a CancelledError traceback: its answer is now cut where it is."""
+    import socket
+
+    srv = start_server(tmp_path)
+    try:
+        line = json.dumps({"custom_id": "x" * 2000, "method": "POST", "url": "/v1/chat/completions",
+                           "body": {"messages": [{"role": "user", "content": "hi"}]}})
+        with srv.client() as c:
+            r = c.post("/v1/files", data={"purpose": "batch"},
+                       files={"file": ("big.jsonl", ("\n".join([line] * 12_000) + "\n").encode())})
+        assert r.status_code == 200, r.text
+        host, port = srv.url.removeprefix("http://").split(":")
+        sock = socket.create_connection((host, int(port)), timeout=30)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(f"GET /v1/files/{r.json()['id']}/content HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        sock.recv(1024)  # the answer has begun; nothing more is read
+        time.sleep(1.0)
+        started = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(STOP_TIMEOUT_S) == 0, srv.output()[-3000:]
+        exited = time.monotonic() - started
+        sock.close()
+    finally:
+        stop_server(srv)
+    assert exited < 20, exited  # 30 s and more
+    assert "Traceback" not in srv.output() and "CancelledError" not in srv.output(), srv.output()[-3000:]
+
+
 def test_a_second_ctrl_c_answers_the_requests_in_flight_at_once(tmp_path):
     """uvicorn's force quit, which a second Ctrl-C was, cut the requests still waiting off with a
     500 (text/plain) and logged CancelledError tracebacks. Now they are answered 503 in OpenAI's
