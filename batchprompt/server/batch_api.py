@@ -7,6 +7,7 @@ journals. One thread does every journal write, so that no commit's fsync holds t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import secrets
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..jobs.storage import StorageError
 from . import batch_files
+from .batch_files import FILE_NAME
 from .batch_input import ENDPOINTS
 from .batch_job import BatchJob, Counts, state_detail
 from .batch_store import FINAL, Store, UnknownCursor
@@ -43,9 +45,22 @@ class BatchApi:
         except StorageError as e:
             self.dir.close()
             raise DataDirError(f"--data-dir {self.dir.root}: {e}") from None
+        self._remove_unrecorded_files()
         self._io = ThreadPoolExecutor(1, thread_name_prefix="batchprompt-batch-io")
         self.jobs: dict[str, BatchJob] = {}
         self._sweeper: asyncio.Task | None = None
+
+    def _remove_unrecorded_files(self) -> None:
+        """An upload is renamed into place, then recorded: a kill between the two left a whole
+        file that no call lists or deletes (and its client never learned its id). Such files are
+        removed at start, while this server holds the directory's lock."""
+        known = self.store.file_ids()
+        for path in self.dir.files.iterdir():
+            if FILE_NAME.fullmatch(path.name) and path.name not in known and path.is_file():
+                with contextlib.suppress(OSError):
+                    size = path.stat().st_size
+                    path.unlink()
+                    log.info("removed %s (%d bytes): an upload cut off before it was recorded", path, size)
 
     async def io(self, fn: Callable, *args) -> Any:
         """Run `fn` on the journal thread (every Journal is made and used there)."""

@@ -7,6 +7,7 @@ moment it is in progress: until the batch ends, their contents are the rows its 
 disk, whole, and never change again."""
 from __future__ import annotations
 
+import re
 import secrets
 import shutil
 import sqlite3
@@ -22,6 +23,9 @@ PURPOSES = ("batch",)  # what this server keeps files for (OpenAI has more, for 
 
 def new_file_id() -> str:
     return "file-" + secrets.token_hex(12)
+
+
+FILE_NAME = re.compile(r"file-[0-9a-f]{24}")  # new_file_id's
 
 
 def file_json(record: dict[str, Any], size: int | None = None) -> dict[str, Any]:

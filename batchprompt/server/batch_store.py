@@ -86,6 +86,10 @@ class Store:
         with self._tx(write=True) as db:
             return db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount > 0
 
+    def file_ids(self) -> set[str]:
+        with self._tx() as db:
+            return {r[0] for r in db.execute("SELECT id FROM files")}
+
     def list_files(self, after: str | None, limit: int, order: str = "desc",
                    purpose: str | None = None) -> tuple[list[dict[str, Any]], bool]:
         where, params = ("purpose = ?", (purpose,)) if purpose else ("", ())
