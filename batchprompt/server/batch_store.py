@@ -39,6 +39,10 @@ class Store:
                             "id TEXT UNIQUE NOT NULL, filename TEXT NOT NULL, purpose TEXT NOT NULL, "
                             "bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, status TEXT NOT NULL, "
                             "batch_id TEXT, kind TEXT)")
+            # A deleted file's place in the list, so that a page after it still reads: the openai
+            # client's loop that deletes what it lists (`for f in files.list(): files.delete(f.id)`)
+            # asks for the page after the file it just deleted, and got a 400.
+            self.db.execute("CREATE TABLE IF NOT EXISTS deleted_files (id TEXT PRIMARY KEY, seq INTEGER NOT NULL)")
             self.db.execute("CREATE TABLE IF NOT EXISTS batches (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
                             "id TEXT UNIQUE NOT NULL, status TEXT NOT NULL, input_file_id TEXT NOT NULL, "
                             "data TEXT NOT NULL)")
@@ -84,7 +88,7 @@ class Store:
 
     def delete_file(self, file_id: str) -> bool:
         with self._tx(write=True) as db:
-            return db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount > 0
+            return _delete_file(db, file_id)
 
     def file_ids(self) -> set[str]:
         with self._tx() as db:
@@ -142,7 +146,7 @@ class Store:
         with self._tx(write=True) as db:
             for file_id, size in sizes.items():
                 if file_id in dropped:
-                    db.execute("DELETE FROM files WHERE id = ?", (file_id,))
+                    _delete_file(db, file_id)
                 else:
                     db.execute("UPDATE files SET bytes = ?, status = 'processed' WHERE id = ?", (size, file_id))
             return _merge(db, batch_id, changes)
@@ -174,6 +178,8 @@ class Store:
         with self._tx() as db:
             if after is not None:
                 row = db.execute(f"SELECT seq FROM {table} WHERE id = ?", (after,)).fetchone()
+                if row is None and table == "files":
+                    row = db.execute("SELECT seq FROM deleted_files WHERE id = ?", (after,)).fetchone()
                 if row is None:
                     raise UnknownCursor(after)
                 conds.append("seq < ?" if order == "desc" else "seq > ?")
@@ -186,6 +192,12 @@ class Store:
     def close(self) -> None:
         with self._lock:
             self.db.close()
+
+
+def _delete_file(db: sqlite3.Connection, file_id: str) -> bool:
+    """Delete a file's record, keeping its place in the list for pages that start after it."""
+    db.execute("INSERT OR REPLACE INTO deleted_files (id, seq) SELECT id, seq FROM files WHERE id = ?", (file_id,))
+    return db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount > 0
 
 
 def _merge(db: sqlite3.Connection, batch_id: str, changes: dict[str, Any]) -> dict[str, Any]:

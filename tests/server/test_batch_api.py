@@ -393,3 +393,20 @@ def test_deleting_files(client):
         with pytest.raises(openai.NotFoundError):
             client.files.delete(file_id)
     assert strict_batch(client, batch.id).status == "completed"  # the batch's record stays
+
+
+def test_a_loop_that_deletes_the_files_it_lists_pages_on(client):
+    """The openai client asks for the page after the last file it listed, which the loop had just
+    deleted: "after='file-...' names no file" (400) after the first page."""
+    ours = {upload(client, [completion_line("a", "Hi", 1)], f"cleanup-{i}.jsonl").id for i in range(5)}
+    deleted = set()
+    for f in client.files.list(limit=2, purpose="batch"):  # newest first: ours lead
+        if f.id in ours:
+            assert client.files.delete(f.id).deleted
+            deleted.add(f.id)
+        if deleted == ours:
+            break
+    assert deleted == ours
+    assert not ours & {f.id for f in client.files.list(limit=10000)}
+    with pytest.raises(openai.BadRequestError):  # a cursor that never named a file is still an error
+        client.files.list(after="file-" + "0" * 24).data
