@@ -418,7 +418,10 @@ def _structured_options(args: argparse.Namespace) -> dict:
     try:
         OutputSpec.from_options(**opts)
     except ValueError as e:
-        raise ValueError(f"structured output: {e}") from None
+        # Named as the command line gave it: "bad regex (fix it): ..." is --regex's
+        flag = {"regex": "--regex", "json_schema": "--json-schema", "choices": "--choices"}
+        given = " and ".join(flag[k] for k in opts if k in flag)
+        raise ValueError(f"{given or 'structured output'}: {e}") from None
     return opts
 
 

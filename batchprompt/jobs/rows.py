@@ -116,7 +116,9 @@ def _rows(n: int) -> str:
     return f"{n} row" if n == 1 else f"{n} rows"
 
 
-def detect_format(path: str) -> str:
+def detect_format(path: str, raw: bytes | None = None) -> str:
+    """The input's format, by its name's suffix; a name without a known one (a process
+    substitution's /dev/fd/63, a file named `requests`) is JSON lines if it starts with '{'."""
     suffix = Path(path).suffix.lower()
     if path == "-" or suffix in (".jsonl", ".json", ".ndjson"):
         return "jsonl"
@@ -124,15 +126,30 @@ def detect_format(path: str) -> str:
         return "csv"
     if suffix in (".parquet", ".pq"):
         return "parquet"
-    raise InputError(f"{path}: unknown input format {suffix!r}; use .jsonl (OpenAI batch or plain "
-                     f"prompt/messages lines), .csv, .tsv or .parquet (with --column)")
+    if raw is not None and raw.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{"):
+        return "jsonl"
+    raise InputError(f"{path}: unknown input format {suffix or '(no suffix)'!r}; use .jsonl (OpenAI batch or plain "
+                     f"prompt/messages lines), .csv, .tsv or .parquet (with --column), or give JSON lines on "
+                     f"standard input as -")
+
+
+def _check_text_encoding(raw: bytes, name: str, jsonl: bool) -> None:
+    """A file that no reader here can read line by line, named for what it is: UTF-16 (what
+    Windows PowerShell's `>` writes) and lines that end with CR alone each failed as "no line is
+    JSON ... write a CSV"."""
+    head = raw[:4096]
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")) or (len(head) >= 4 and head.count(b"\x00") * 4 >= len(head)):
+        raise InputError(f"{name}: the file is UTF-16 (as Windows PowerShell's > writes), not UTF-8: save it as UTF-8 "
+                         f"(PowerShell: Set-Content -Encoding utf8; or iconv -f UTF-16 -t UTF-8)")
+    if jsonl and b"\r" in raw and b"\n" not in raw:  # (a CSV reader takes CR alone as a line end)
+        raise InputError(f"{name}: its lines end with a carriage return alone (CR, old Mac line endings), which "
+                         f"reads as one line: end them with LF or CRLF (tr '\\r' '\\n' < old > new)")
 
 
 def read_input(path: str, column: str | None = None, stdin=None) -> Table:
     if path != "-" and Path(path).is_dir():  # before its name's format ("unknown input format ''")
         raise InputError(f"{path}: is a folder, not an input file; give the file in it (a .jsonl, .csv or "
                          f".parquet file)")
-    fmt = detect_format(path)
     if path == "-":
         try:  # a closed stdin (`<&-`) is None; one open for writing only reads with EBADF
             raw = (stdin or __import__("sys").stdin.buffer).read()
@@ -147,6 +164,9 @@ def read_input(path: str, column: str | None = None, stdin=None) -> Table:
             raw = p.read_bytes()
         except OSError as e:  # no read permission: a PermissionError traceback, exit 1
             raise InputError(f"{path}: cannot read it ({e.strerror})") from None
+    fmt = detect_format(path, raw)
+    if fmt != "parquet":
+        _check_text_encoding(raw, "standard input (-)" if path == "-" else path, fmt == "jsonl")
     if fmt == "jsonl":
         if column:
             raise InputError("--column applies to CSV and Parquet input, not JSONL")

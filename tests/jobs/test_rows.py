@@ -117,7 +117,8 @@ def test_tables_need_a_column(tmp_path):
 def test_missing_and_unknown_inputs(tmp_path):
     with pytest.raises(InputError, match="no such input file"):
         read_input(str(tmp_path / "nope.jsonl"))
-    with pytest.raises(InputError, match="unknown input format '.txt'"):
+    (tmp_path / "x.txt").write_text("hello\n")
+    with pytest.raises(InputError, match="unknown input format '.txt'.*or give JSON lines on standard input as -"):
         read_input(str(tmp_path / "x.txt"))
     (tmp_path / "batch.jsonl").mkdir()  # was "no such input file"
     with pytest.raises(InputError, match="batch.jsonl: is a folder, not an input file"):
@@ -434,3 +435,35 @@ def test_a_byte_order_mark_on_any_line_is_skipped_as_on_the_first():
     raw = ("\ufeff" + line + "\n" + "\ufeff" + line.replace('"a"', '"b"') + "\n").encode()
     checked = check_input(raw, "/v1/chat/completions", "m", {"m"})
     assert checked.ok and len(checked.rows) == 2, checked.errors
+
+
+def test_an_input_without_a_known_suffix_is_read_as_json_lines_when_it_is(tmp_path):
+    """`batchprompt run <(zcat in.jsonl.gz)` (/dev/fd/63) and a file named `requests` were an
+    "unknown input format ''"."""
+    p = tmp_path / "requests"
+    p.write_text('{"prompt": "hi"}\n{"prompt": "there"}\n')
+    table = read_input(str(p))
+    assert table.format == "jsonl" and [r.messages[0]["content"] for r in table.rows] == ["hi", "there"]
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le"])
+def test_a_utf16_input_is_named_as_such(tmp_path, encoding):
+    """What Windows PowerShell's > writes: it failed as "no line is JSON ... write a CSV"."""
+    p = tmp_path / "in.jsonl"
+    p.write_bytes('{"prompt": "hi"}\n'.encode(encoding))
+    with pytest.raises(InputError, match="in.jsonl: the file is UTF-16.*save it as UTF-8"):
+        read_input(str(p))
+    c = tmp_path / "in.csv"
+    c.write_bytes("text\nhi\n".encode(encoding))
+    with pytest.raises(InputError, match="the file is UTF-16"):
+        read_input(str(c), "text")
+
+
+def test_json_lines_that_end_with_cr_alone_are_named_as_such(tmp_path):
+    p = tmp_path / "in.jsonl"
+    p.write_bytes(b'{"prompt": "hi"}\r{"prompt": "there"}\r')
+    with pytest.raises(InputError, match="end with a carriage return alone"):
+        read_input(str(p))
+    crlf = tmp_path / "crlf.jsonl"
+    crlf.write_bytes(b'{"prompt": "hi"}\r\n{"prompt": "there"}\r\n')
+    assert len(read_input(str(crlf)).rows) == 2

@@ -78,6 +78,7 @@ def test_bad_structured_flags_stop_before_any_work(tmp_path, capsys, monkeypatch
         assert main(["run", str(inp), "-o", str(out)] + flags) == 2
         err = capsys.readouterr().err
         assert message in err and flags[0].lstrip("-").replace("-", "_") in err
+        assert err.startswith(f"batchprompt: error: {flags[0]}: "), err  # named as the command line gave it
     assert main(["run", str(inp), "-o", str(out), "--choices", "[]"]) == 2
     assert "at least one label" in capsys.readouterr().err
     assert main(["run", str(inp), "-o", str(out), "--json-schema", str(tmp_path / "missing.json")]) == 2
