@@ -20,12 +20,27 @@ def failed_choice(choices: Sequence[Result]) -> Result | None:
     return next((c for c in choices if c.error is not None and c.finish_reason != "length"), None)
 
 
+#: How the structured-output check words an answer that its grammar let through but that breaks
+#: its schema (api/structured.py): the server's fault, a 500, with the text in the message.
+INVALID_OUTPUT = ("the output breaks its schema", "the output's number", "the output does not parse as the schema")
+
+
+def with_output(message: str, text: str, limit: int = 300) -> str:
+    """An invalid output's message with the text it judged (a row's error line keeps no text)."""
+    if not message.startswith(INVALID_OUTPUT):
+        return message
+    shown = text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"
+    return f"{message}; the output: {shown}"
+
+
 def failure_code(message: str, body: dict) -> str:
     """OpenAI's error code for a request (`body`) the engine failed with this message: the
     engine's own fault (a step that raised, an engine that stopped), a prompt too long, a value
     of one of its fields (as the server's own checks code a bad value), or the request's."""
     if message.startswith(("the engine", "the model failed on this step")):
         return "engine_error"
+    if message.startswith(INVALID_OUTPUT):  # the model's answer, not the request, is at fault
+        return "invalid_output"
     if "shorten the prompt" in message:
         return "context_length_exceeded"
     return "invalid_parameter" if failure_param(message, body) else "invalid_request"
@@ -244,7 +259,7 @@ def output_line(row: Row, body: dict[str, Any], job: str = "") -> dict[str, Any]
 #: with `error` alone and `response` null.
 NOT_HTTP = frozenset({"batch_expired", "batch_cancelled"})
 #: The HTTP status the endpoint answers an error code with, where it is not 400.
-STATUS = {"engine_error": 500, "request_failed": 500, "internal_error": 500, "not_run": 503, "model_not_found": 404,
+STATUS = {"engine_error": 500, "request_failed": 500, "internal_error": 500, "invalid_output": 500, "not_run": 503, "model_not_found": 404,
           "invalid_type": 422}
 #: OpenAI's error types: "invalid_request_error" for every 4xx but these (its SDK picks the
 #: exception class from the status, not the type).
@@ -294,7 +309,8 @@ def answer(row: Row, choices: Sequence[Result], model: str, created: int, token_
     note, rather than the request's own error."""
     failed = failed_choice(choices)
     if failed is not None:
-        code, message = failure_code(failed.error, row.body), f"line {row.line}: {failed.error}"
+        code = failure_code(failed.error, row.body)
+        message = f"line {row.line}: {with_output(failed.error, failed.text)}"
         param = failure_param(failed.error, row.body)
         if rerun_note is not None and any(c.retryable for c in choices):
             code, message, param = "not_run", f"{message} ({rerun_note})", None

@@ -22,7 +22,7 @@ def failure(results: Sequence[Result], body: dict | None = None) -> ApiError | N
 
 
 def result_error(r: Result, body: dict | None = None) -> ApiError:
-    message = r.error or "the request failed"
+    message = openai_io.with_output(r.error, r.text) if r.error else "the request failed"
     code = openai_io.failure_code(message, body or {})  # engine_error (the server's fault, a 500) or the request's
     return ApiError(openai_io.STATUS.get(code, 400), message, code, openai_io.failure_param(message, body or {}))
 

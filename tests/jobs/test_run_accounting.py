@@ -130,3 +130,20 @@ def test_the_bar_ends_on_the_runs_own_rate_not_a_stale_live_one(tmp_path, monkey
     shown_rate = re.search(r"([\d,.]+) tok/s", last).group(1)
     assert shown_rate != "1", last
     assert f"({shown_rate} tok/s)" in str(real), (last, str(real))  # the summary's own figure
+
+
+def test_an_answer_that_breaks_its_schema_is_the_server_s_fault_with_its_text():
+    """It was a 400 invalid_request ("your request is wrong") and its text was dropped: the
+    request was fine, the grammar engine let the answer through."""
+    from batchprompt import Result
+    from batchprompt.jobs import openai_io
+    from batchprompt.jobs.rows import CHAT, Row
+
+    row = Row(3, "r3", CHAT, messages=[{"role": "user", "content": "p?"}], body={})
+    failed = Result(0, '{"p": 0}', "stop",
+                    error="the output breaks its schema at p: 0 is less than or equal to the minimum of 0 (the "
+                          "grammar engine let it through)")
+    line = openai_io.answer(row, [failed], "m", 0, None).record
+    assert line["error"]["code"] == "invalid_output" and line["response"]["status_code"] == 500
+    assert line["response"]["body"]["error"]["type"] == "server_error"
+    assert line["error"]["message"].endswith('(the grammar engine let it through); the output: {"p": 0}')
