@@ -189,7 +189,7 @@ class DynamicFunction:
             raise TypeError(f"{type(instance).__name__}.{self._fn.__name__}: a batched method keeps one batcher "
                             f"per instance, which needs '__dict__' or '__weakref__' in {type(instance).__name__}"
                             f".__slots__") from None
-        return bound
+        return _Pinned(bound, instance) if weak and not isinstance(instance, type) else bound
 
     def __reduce__(self):
         """Pickled by name, as a function is (multiprocessing's spawn): the other process gets its own
@@ -199,6 +199,39 @@ class DynamicFunction:
             raise TypeError(f"cannot pickle the batched function {name}: only one defined at a module's top "
                             f"level is pickled (by name)")
         return _lookup, (module, name)
+
+
+class _Pinned:
+    """A batched method of an instance that its batcher holds weakly (a class with __slots__),
+    with the instance held while its caller holds this: `Model().embed(x)` lost its temporary
+    instance before the batch ran ("its instance is gone")."""
+
+    __slots__ = ("_bound", "_instance")
+
+    def __init__(self, bound: DynamicFunction, instance: Any):
+        self._bound, self._instance = bound, instance
+
+    def __call__(self, *args, **kwargs):
+        return self._bound(*args, **kwargs)
+
+    def many(self, *args, **kwargs):
+        return self._bound.many(*args, **kwargs)
+
+    async def acall(self, *args, **kwargs):
+        return await self._bound.acall(*args, **kwargs)
+
+    async def amany(self, *args, **kwargs):
+        return await self._bound.amany(*args, **kwargs)
+
+    def imap(self, *args, **kwargs):
+        yield from self._bound.imap(*args, **kwargs)
+
+    async def aimap(self, *args, **kwargs):
+        async for result in self._bound.aimap(*args, **kwargs):
+            yield result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bound, name)
 
 
 def _weakly_bound(fn: Callable, instance: Any) -> Callable:

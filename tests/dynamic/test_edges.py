@@ -162,6 +162,11 @@ def test_batched_methods_of_classes_without_an_instance_dict():
 
     a, b = Slotted(2), Slotted(3)
     assert (a.run(5), b.run(5)) == (10, 15)
+    # A temporary instance: it was gone before its batch ran ("its instance is gone"). Outside
+    # an assert, whose rewriting keeps the temporary alive.
+    got = (Slotted(4).run(5), Slotted(4).run.many([1, 2]), asyncio.run(Slotted(5).run.acall(2)),
+           list(Slotted(6).run.imap([1, 2])))
+    assert got == (20, [4, 8], 10, [6, 12])
     with pytest.raises(TypeError, match="__weakref__"):
         Bare().run(1)
 
