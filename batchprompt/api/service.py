@@ -29,7 +29,7 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 # noqa F401: the seam's types, imported from here too
 from ..backends.base import Item, Source, StopCounts, answer, stopped_output  # noqa: F401
@@ -625,6 +625,9 @@ def get_service(model: str | LLMEngine | None = None, *, device: str = "auto", d
     """The process's service for `model` (an id, a path, None for the embedded model, or an
     engine built by hand), created on first use. `engine_options` (EngineConfig fields) apply
     when the engine is created; later callers share it as it is."""
+    if engine_options is not None and not isinstance(engine_options, Mapping):  # it failed in from_pretrained(**...)
+        raise TypeError(f"engine_options must be a dict of EngineConfig fields, such as {{'max_num_seqs': 64}}, "
+                        f"got {type(engine_options).__name__}")
     if isinstance(model, LLMEngine):
         key: tuple = ("engine", id(model))
     else:

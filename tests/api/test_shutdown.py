@@ -357,3 +357,9 @@ def test_shutdown_names_a_model_that_is_not_one(model):
     with pytest.raises(TypeError, match=r"shutdown's model must be a model id or path.*for a time limit give "
                                         r"timeout=\.\.\."):
         bp.shutdown(model)
+
+
+def test_engine_options_that_are_no_dict_are_named():
+    """It said "LLMEngine.from_pretrained() argument after ** must be a mapping, not int"."""
+    with pytest.raises(TypeError, match="engine_options must be a dict of EngineConfig fields.*got int"):
+        bp.LanguageModel.create(engine_options=5)
