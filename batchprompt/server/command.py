@@ -81,8 +81,10 @@ def run(args: argparse.Namespace) -> int:
     from .config import ServerConfig
 
     level = getattr(logging, args.log_level.upper())
-    logging.basicConfig(level=level, format="batchprompt: %(levelname)s: %(message)s")
-    logging.getLogger("batchprompt").setLevel(level)  # also where `batchprompt`'s main set up logging first
+    logging.basicConfig(level=level, format=LOG_FORMAT, datefmt=LOG_DATE)
+    for handler in logging.getLogger().handlers:  # `batchprompt`'s main set up its own format first
+        handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATE))
+    logging.getLogger("batchprompt").setLevel(level)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         device = _check_device(args.device)
@@ -156,12 +158,33 @@ def serve(config, log_level: str = "info") -> int:
         return 0
     app = create_app(config, state)
     server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
-                                   timeout_graceful_shutdown=30, lifespan="on"), state)
+                                   timeout_graceful_shutdown=30, lifespan="on", log_config=_uvicorn_log_config()),
+                    state)
     try:
         server.run()
     finally:
         forced = _stop_engine(state.model_key, log, HURRIED_STOP_S if server.hurried else ENGINE_STOP_S)
     return 130 if forced or server.hurried else 0
+
+
+#: A service's log lines carry the time, as vLLM's do (when a load, a stop or a batch's change of
+#: state happened could not be told).
+LOG_FORMAT = "%(asctime)s batchprompt: %(levelname)s: %(message)s"
+LOG_DATE = "%Y-%m-%d %H:%M:%S"
+
+
+def _uvicorn_log_config() -> dict:
+    """uvicorn's own logging set-up, its lines (access lines too) with the time in front."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    for formatter in config.get("formatters", {}).values():
+        if "fmt" in formatter:
+            formatter["fmt"] = "%(asctime)s " + formatter["fmt"]
+            formatter["datefmt"] = LOG_DATE
+    return config
 
 
 def _stop_engine(model_key, log: logging.Logger, timeout: float = ENGINE_STOP_S) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -295,6 +296,10 @@ def test_a_stop_cuts_requests_whose_body_is_still_coming_with_a_503_at_once(tmp_
         assert json.loads(answer.split("\r\n\r\n", 1)[1])["error"]["code"] == "shutting_down", answer
     assert took < 10 and exited < 20, (took, exited)  # it was 30 s, then a 500
     assert "Traceback" not in srv.output() and "CancelledError" not in srv.output(), srv.output()[-3000:]
+    # The log's lines carry the time, batchprompt's and uvicorn's (when the stop came could not be told)
+    stamp = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d "
+    for line in (r"batchprompt: INFO: loading ", r"INFO: +Shutting down", r"INFO: +127\.0\.0\.1:\d+ - \"GET /ready"):
+        assert re.search(stamp + line, srv.output(), re.MULTILINE), (line, srv.output()[-3000:])
 
 
 def test_a_stop_cuts_a_download_to_a_client_that_does_not_read(tmp_path):
