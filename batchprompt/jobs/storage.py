@@ -31,6 +31,7 @@ class StorageError(Exception):
         self.journal: str | None = None
         self.rows_safe: int | None = None
         self.rows: int | None = None
+        self.then = "run the same command again to resume (finished rows do not run again)"  # a job's words
 
     @classmethod
     def from_os(cls, path: str | Path, e: OSError) -> "StorageError":
@@ -48,7 +49,7 @@ class StorageError(Exception):
         if self.journal is not None and self.rows_safe is not None:
             kept = f"; {self.rows_safe} of {self.rows} rows are safe in the journal {self.journal}"
         fix = "Free some space" if self.no_space else "Fix that"
-        return f"{what}{kept}. {fix}, then run the same command again to resume (finished rows do not run again)"
+        return f"{what}{kept}. {fix}, then {self.then}"
 
 
 def is_stream(path: str | Path) -> bool:

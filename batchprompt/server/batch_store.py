@@ -52,7 +52,7 @@ class Store:
                 if column not in {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}:
                     self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
         except sqlite3.Error as e:
-            raise StorageError.from_sqlite(self.path, e) from None
+            raise _server_storage_error(self.path, e) from None
 
     @contextmanager
     def _tx(self, write: bool = False) -> Iterator[sqlite3.Connection]:
@@ -67,7 +67,7 @@ class Store:
                 if self.db.in_transaction:
                     self.db.execute("ROLLBACK")
                 if isinstance(e, sqlite3.Error):
-                    raise StorageError.from_sqlite(self.path, e) from None
+                    raise _server_storage_error(self.path, e) from None
                 raise
 
     # ---- files ------------------------------------------------------------------------------
@@ -205,3 +205,10 @@ def _merge(db: sqlite3.Connection, batch_id: str, changes: dict[str, Any]) -> di
     batch.update(changes)
     db.execute("UPDATE batches SET status = ?, data = ? WHERE id = ?", (batch["status"], json.dumps(batch), batch_id))
     return batch
+
+
+def _server_storage_error(path: Path, e: sqlite3.Error) -> StorageError:
+    """As a job's, in a server's words: a job's message said "run the same command again"."""
+    error = StorageError.from_sqlite(path, e)
+    error.then = "start the server again (finished requests do not run again)"
+    return error

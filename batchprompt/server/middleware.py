@@ -138,4 +138,5 @@ class LimitBody:
                     f"{limit - UPLOAD_FRAMING_BYTES:,} bytes (its --max-file-bytes): split the requests into "
                     f"several batches")
         return (f"the body is {'more than ' if more else ''}{size:,} bytes; this server takes at most "
-                f"{limit:,} (its --max-body-bytes): send fewer prompts per request")
+                f"{limit:,} (its --max-body-bytes): send a shorter request (fewer or shorter prompts or "
+                f"messages), or use the Batch API's file upload for many")

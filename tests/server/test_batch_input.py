@@ -225,3 +225,13 @@ def test_run_and_the_batch_api_answer_a_body_alike(extra):
         return None
 
     assert error(served) == error(ran) and error(ran) is not None, (served, ran)
+
+
+def test_a_damaged_metadata_database_says_to_start_the_server_again(tmp_path):
+    """It ended with a job's words: "run the same command again to resume (finished rows ...)"."""
+    from batchprompt.jobs.storage import StorageError
+
+    (tmp_path / "meta.sqlite").write_bytes(b"not a database at all\n" * 100)
+    with pytest.raises(StorageError) as e:
+        Store(tmp_path / "meta.sqlite")
+    assert "start the server again" in str(e.value) and "same command" not in str(e.value), e.value
