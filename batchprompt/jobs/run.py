@@ -68,6 +68,7 @@ class JobSummary:
     ok: int = 0
     failed: int = 0
     resumed: int = 0  # rows already in the journal when this run began
+    resumed_failed: int = 0  # --dry-run: of those, the rows that failed
     prompt_tokens: int = 0
     completion_tokens: int = 0
     seconds: float = 0.0  # this run's computing time
@@ -98,7 +99,8 @@ class JobSummary:
 
     def _headline(self) -> str:
         if self.estimate_seconds is not None:
-            done = f", {self.resumed} already done (the journal)" if self.resumed else ""
+            failed = f", {self.resumed_failed} of them failed" if self.resumed_failed else ""
+            done = f", {self.resumed} already done (the journal{failed})" if self.resumed else ""
             estimate = (f"no estimate: every calibration row failed ({self.calibration_error})"
                         if self.calibration_error else f"estimated run time {_duration(self.estimate_seconds)}")
             return (f"dry run: {_n_rows(self.rows)} ({self.failed} that cannot run{done}), {self.prompt_tokens:,} "
@@ -515,7 +517,7 @@ class JobRun:
             model_name = model_source.name
 
         if opts.dry_run:
-            return self.dry_run(table, self._done_before(journal_path, fp, settings, legacy_fp))
+            return self.dry_run(table, *self._done_before(journal_path, fp, settings, legacy_fp))
         with JobLock(journal_path), _output_lock(opts.output, journal_path):  # a second run stops here, naming
             # this one (one that writes the same output through a link, or with its own --journal, too)
             for written in (opts.output, errors_path):  # a run killed as it wrote them left its temp files
@@ -722,21 +724,23 @@ class JobRun:
                 journal.record(row.line, row.custom_id, False, r)
         return _items(ready)
 
-    def _done_before(self, journal_path, fp: str, settings: dict, legacy_fp) -> set[int]:
-        """For a dry run: the lines a journal of this job already holds (none with --restart), read
-        without writing it; a journal of other options is refused as the run would refuse it."""
+    def _done_before(self, journal_path, fp: str, settings: dict, legacy_fp) -> tuple[set[int], int]:
+        """For a dry run: the lines a journal of this job already holds (none with --restart), and
+        how many of them failed, read without writing it; a journal of other options is refused as
+        the run would refuse it."""
         if self.opts.restart or not Path(journal_path).exists():
-            return set()
+            return set(), 0
         try:
             journal = Journal(journal_path, fp, settings=settings, legacy=legacy_fp, read_only=True)
         except sqlite3.OperationalError:  # no tables yet: nothing done
-            return set()
+            return set(), 0
         try:
-            return journal.done_lines()
+            ok, total = journal.counts()
+            return journal.done_lines(), total - ok
         finally:
             journal.close()
 
-    def dry_run(self, table: Table, done: set[int] = frozenset()) -> JobSummary:
+    def dry_run(self, table: Table, done: set[int] = frozenset(), done_failed: int = 0) -> JobSummary:
         """Count rows and prompt tokens; time a short calibration run; estimate the whole job.
         A row counts as the run would take it: one the run refuses (see _ready) cannot run, and
         neither its tokens nor its time count; nor does one that a journal of the job holds."""
@@ -744,11 +748,12 @@ class JobRun:
         rows = [r for r in table.rows if isinstance(r, Row) and r.line not in done]
         if not rows:  # nothing left to run: no model to load, nothing to time
             return JobSummary(rows=len(table.rows), failed=len(table.rows) - len(done), notes=table.notes(),
-                              resumed=len(done), estimate_seconds=0.0)
+                              resumed=len(done), resumed_failed=done_failed, estimate_seconds=0.0)
         service = self._load_backend()
         ready = [r for r in (self._ready(row, service) for row in rows) if isinstance(r, Ready)]
         summary = JobSummary(rows=len(table.rows), failed=len(table.rows) - len(done) - len(ready),
-                             notes=table.notes(), prompt_tokens=sum(len(r.ids) for r in ready), resumed=len(done))
+                             notes=table.notes(), prompt_tokens=sum(len(r.ids) for r in ready), resumed=len(done),
+                             resumed_failed=done_failed)
         # A tenth of the rows, 4 to calibration_rows: a small job's dry run ran it whole.
         sample = ready[:min(opts.calibration_rows, max(4, -(-len(ready) // 10)))]
         items, _ = _items(sample)

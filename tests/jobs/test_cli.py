@@ -477,6 +477,21 @@ def test_a_dry_run_whose_calibration_rows_all_fail_gives_no_estimate(tmp_path, c
 
 
 @pytest.mark.slow
+def test_a_dry_run_of_a_finished_job_counts_its_failed_rows(tmp_path, capsys):
+    """A fresh dry run of a file with a bad row exited 1; once the job had run, its dry run said
+    "0 that cannot run, 3 already done" and exited 0, though a row had failed."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    inp.write_text('{"prompt": "Hi"}\n{"prompt": "Hello"}\n{"prompt": ""}\n')
+    args = ["run", str(inp), "-o", str(out), "--max-tokens", "2", "--no-progress"]
+    assert main(args + ["--dry-run"]) == 1
+    assert main(args) == 1
+    capsys.readouterr()
+    assert main(args + ["--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert "dry run: 3 rows (0 that cannot run, 3 already done (the journal, 1 of them failed))" in err, err
+
+
+@pytest.mark.slow
 def test_a_dry_run_reads_the_jobs_journal_as_the_run_would(tmp_path, capsys):
     """It ignored the journal: it estimated every row of a job half done, and estimated a job
     whose journal the run then refused (other options) with exit 0. It never writes the journal."""
