@@ -18,6 +18,8 @@ import threading
 import weakref
 from typing import Any, AsyncIterator, Iterable, Iterator, Sequence
 
+from jinja2.exceptions import TemplateError
+
 from ..engine import LLMEngine
 from ..engine.engine import prompt_too_long
 from ..models.tokenizer import TooManyTokens
@@ -146,7 +148,8 @@ class LanguageModel:
                 out.append(Prepared(i, self._render_ids(self._messages(prompt), limit), params, spec=spec))
             except TooManyTokens as e:  # by its length alone: refused without tokenizing megabytes
                 out.append(Prepared(i, None, params, prompt_too_long(f"at least {e.at_least}", e.limit)))
-            except (TypeError, ValueError, KeyError) as e:
+            except (TypeError, ValueError, KeyError, TemplateError) as e:
+                # A chat template's own refusal (roles that do not alternate) failed the whole call.
                 # Its place is the result's index; "prompt 0 cannot ..." read oddly from prompt().
                 out.append(Prepared(i, None, params, f"the prompt cannot be rendered: {e}"))
         return out

@@ -147,7 +147,10 @@ class OutputSpec:
             # A stop string or stop token the caller gave ended the answer before its grammar was
             # whole ("1" of "150" under minimum 100): its text is the answer, nothing parsed. (A
             # remote server cannot say: an answer cut so is one that does not parse or check.)
-            stopped = asked_stop and result.finish_reason == "stop" and not complete
+            # (A stop string at the answer's very end, "}", leaves the grammar whole and the text
+            # not: its stop_reason says so.)
+            stopped = asked_stop and result.finish_reason == "stop" and (result.stop_reason is not None
+                                                                          or not complete)
             if stopped and complete is False:
                 return result
             try:

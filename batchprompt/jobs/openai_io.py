@@ -21,7 +21,9 @@ def failed_choice(choices: Sequence[Result]) -> Result | None:
 
 
 #: How the structured-output check words an answer that its grammar let through but that breaks
-#: its schema (api/structured.py): the server's fault, a 500, with the text in the message.
+#: its schema (api/structured.py): code invalid_output, with the text in the message. A 400, not
+#: a 500: the fault is the answer's, but a client retries a 500 (the openai client twice, a pool
+#: until its tries run out), and a greedy request gets the same answer every time.
 INVALID_OUTPUT = ("the output breaks its schema", "the output's number", "the output does not parse as the schema")
 
 
@@ -259,7 +261,7 @@ def output_line(row: Row, body: dict[str, Any], job: str = "") -> dict[str, Any]
 #: with `error` alone and `response` null.
 NOT_HTTP = frozenset({"batch_expired", "batch_cancelled"})
 #: The HTTP status the endpoint answers an error code with, where it is not 400.
-STATUS = {"engine_error": 500, "request_failed": 500, "internal_error": 500, "invalid_output": 500, "not_run": 503, "model_not_found": 404,
+STATUS = {"engine_error": 500, "request_failed": 500, "internal_error": 500, "not_run": 503, "model_not_found": 404,
           "invalid_type": 422}
 #: OpenAI's error types: "invalid_request_error" for every 4xx but these (its SDK picks the
 #: exception class from the status, not the type).

@@ -144,6 +144,10 @@ def ascii_classes(pattern: str) -> str:
         if c == "\\" and i + 1 < len(pattern):
             nxt = pattern[i + 1]
             table = _INSIDE if in_class else _OUTSIDE
+            if in_class and nxt in "dDwWsS" and len(out) >= 2 and out[-1] == "-" and out[-2] not in ("[", "[^"):
+                # `[+-\d]`: a class cannot end a range, so the hyphen is itself, as ECMA-262 without the
+                # u flag reads it; written out as `[+-0-9]` it made a range from + to 0 (no 1 to 8)
+                out[-1] = "\\-"
             out.append(table.get(nxt, c + nxt))
             i += 2
             if in_class and nxt in "dDwWsS" and pattern.startswith("-", i) and not pattern.startswith("-]", i):

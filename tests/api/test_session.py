@@ -116,6 +116,26 @@ def test_a_failed_item_does_not_disturb_the_others(lm, messages):
         lm.prompt(too_long)
 
 
+def test_a_conversation_the_chat_template_refuses_fails_alone(engine32):
+    """Llama-2 / Mistral / Gemma templates raise on some conversations (roles that do not
+    alternate): the TemplateError sank the whole call, the other prompts' results lost."""
+    from ..jobs.test_run_faults import ALTERNATING_TEMPLATE
+
+    hf = engine32.tokenizer.hf
+    original = hf.chat_template
+    hf.chat_template = ALTERNATING_TEMPLATE
+    try:
+        with bp.LanguageModel.create(model=engine32, max_tokens=2) as lm:
+            user = [{"role": "user", "content": "Hello"}, {"role": "user", "content": "again"}]
+            results = lm.batch_prompt(["Hello", user, "Bye"])
+            with pytest.raises(ValueError, match="Conversation roles must alternate"):
+                lm.prompt(user)
+    finally:
+        hf.chat_template = original
+    assert [r.ok for r in results] == [True, False, True], results
+    assert "Conversation roles must alternate" in results[1].error
+
+
 def test_top_level_batch_prompt(engine32, messages):
     results = bp.batch_prompt(messages[:3], system=SPAM_SYSTEM, model=engine32, max_tokens=6)
     with bp.LanguageModel.create(system=SPAM_SYSTEM, model=engine32, max_tokens=6) as lm:

@@ -458,6 +458,10 @@ def test_a_stop_string_that_cuts_a_json_answer_that_parses_leaves_its_text():
     # Without a stop string of the caller's, the same answer is the check's error
     assert "breaks its schema" in spec.finish(bp.Result(0, "1", "stop"), complete=True).error
     assert spec.finish(bp.Result(0, "150", "stop"), complete=True, asked_stop=True).parsed == 150
+    # A stop string at the very end ("}" of an object): the grammar is whole, the text is not
+    obj = OutputSpec.from_options(json_schema={"type": "object", "properties": {"a": {"type": "integer"}}})
+    r = obj.finish(bp.Result(0, '{"a":1', "stop", stop_reason="}"), complete=True, asked_stop=True)
+    assert r.ok and r.text == '{"a":1' and r.parsed is None, r
 
 
 def test_a_pydantic_class_refuses_a_number_too_large_for_a_float():
