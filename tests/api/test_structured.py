@@ -486,6 +486,7 @@ def test_response_format_text_beside_a_json_schema_asks_for_nothing_more():
     (r"[^\W\d_]+", "abcXYZ", "\u00e9t\u00e9"),  # letters: ASCII ones only
     (r"[\D]+", "ab\u0661", "a1"),  # \D in a class: not an ASCII digit
     (r"[\w-.]+@x", "a-b.c@x", "\u00e9@x"),  # a hyphen after \w is itself (the grammar engine refused it)
+    (r"[+-\d]+", "12+30-4", ","),  # and before \d: written [+-0-9] it was a range + to 0 (no 1 to 8; a comma)
 ])
 def test_regex_classes_inside_brackets_are_ascii(engine32, pattern, inside, outside):
     r"""[^\W] matched é (the grammar engine reads \W as Unicode); \D and \W inside a class were
