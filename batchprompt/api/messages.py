@@ -46,8 +46,9 @@ def _message(m: Any, where: str) -> Message:
         raise ValueError(f"{where}: 'role' must be one of {', '.join(ROLES)}, got {_short(role)}")
     if role not in ROLES:
         raise ValueError(f"{where}: unknown role {role!r}; the roles are {', '.join(ROLES)}")
-    if m.get("content") is None and m.get("tool_calls"):
-        raise ValueError(f"{where}: tool calls are not supported; give the {role} turn's text as 'content'")
+    if m.get("tool_calls"):  # with text or without: dropped, the model saw an empty or partial turn
+        raise ValueError(f"{where}: tool calls are not supported; give the {role} turn's text as 'content' "
+                         f"without 'tool_calls'")
     if role == "assistant" and m.get("content") is None:  # OpenAI's schema lets an assistant turn have none:
         # a refusal's turn, replayed, reads as its refusal (as a refusal part does); else empty, as vLLM
         refusal = m.get("refusal")

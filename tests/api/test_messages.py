@@ -24,6 +24,9 @@ def test_openai_roles_are_accepted_and_developer_is_the_system_message():
     ([{"role": "user", "content": None}], r"'content' must be a string"),
     ([{"role": "user"}], r"the user message has no 'content'"),
     ([{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}], r"tool calls are not supported"),
+    # With text too: the calls were dropped without a word, the model shown an empty or partial turn
+    ([{"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}], r"tool calls are not supported"),
+    ([{"role": "assistant", "content": "Let me look.", "tool_calls": [{"id": "c"}]}], r"tool calls are not"),
     (["hello"], r"a message is a dict"),
     ([], r"empty list of messages"),
     ({"role": "user", "content": "x"}, r"must be a list of messages"),
