@@ -133,15 +133,23 @@ def detect_format(path: str, raw: bytes | None = None) -> str:
                      f"standard input as -")
 
 
-def _check_text_encoding(raw: bytes, name: str, jsonl: bool) -> None:
-    """A file that no reader here can read line by line, named for what it is: UTF-16 (what
-    Windows PowerShell's `>` writes) and lines that end with CR alone each failed as "no line is
-    JSON ... write a CSV"."""
+def _check_wide_encoding(raw: bytes, name: str) -> None:
+    """A text file that no reader here can read, named for what it is: UTF-16 (what Windows
+    PowerShell's `>` writes) or UTF-32 failed as "no line is JSON ... write a CSV"."""
     head = raw[:4096]
-    if head.startswith((b"\xff\xfe", b"\xfe\xff")) or (len(head) >= 4 and head.count(b"\x00") * 4 >= len(head)):
-        raise InputError(f"{name}: the file is UTF-16 (as Windows PowerShell's > writes), not UTF-8: save it as UTF-8 "
-                         f"(PowerShell: Set-Content -Encoding utf8; or iconv -f UTF-16 -t UTF-8)")
-    if jsonl and b"\r" in raw and b"\n" not in raw:  # (a CSV reader takes CR alone as a line end)
+    wide = "UTF-32" if head.startswith((b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")) else None
+    if wide is None and (head.startswith((b"\xff\xfe", b"\xfe\xff"))
+                         or (len(head) >= 4 and head.count(b"\x00") * 4 >= len(head))):
+        wide = "UTF-16"
+    if wide is not None:
+        shown = " (as Windows PowerShell's > writes)" if wide == "UTF-16" else ""
+        raise InputError(f"{name}: the file is {wide}{shown}, not UTF-8: save it as UTF-8 (PowerShell: "
+                         f"Set-Content -Encoding utf8; or iconv -f {wide} -t UTF-8)")
+
+
+def _check_line_ends(raw: bytes, name: str) -> None:
+    """JSON lines that end with CR alone read as one line (a CSV reader takes CR as a line end)."""
+    if b"\r" in raw and b"\n" not in raw:
         raise InputError(f"{name}: its lines end with a carriage return alone (CR, old Mac line endings), which "
                          f"reads as one line: end them with LF or CRLF (tr '\\r' '\\n' < old > new)")
 
@@ -164,9 +172,12 @@ def read_input(path: str, column: str | None = None, stdin=None) -> Table:
             raw = p.read_bytes()
         except OSError as e:  # no read permission: a PermissionError traceback, exit 1
             raise InputError(f"{path}: cannot read it ({e.strerror})") from None
+    name = "standard input (-)" if path == "-" else path
+    if Path(path).suffix.lower() not in (".parquet", ".pq"):  # a UTF-16 file without a suffix too
+        _check_wide_encoding(raw, name)
     fmt = detect_format(path, raw)
-    if fmt != "parquet":
-        _check_text_encoding(raw, "standard input (-)" if path == "-" else path, fmt == "jsonl")
+    if fmt == "jsonl":
+        _check_line_ends(raw, name)
     if fmt == "jsonl":
         if column:
             raise InputError("--column applies to CSV and Parquet input, not JSONL")

@@ -457,6 +457,14 @@ def test_a_utf16_input_is_named_as_such(tmp_path, encoding):
     c.write_bytes("text\nhi\n".encode(encoding))
     with pytest.raises(InputError, match="the file is UTF-16"):
         read_input(str(c), "text")
+    bare = tmp_path / "requests"  # no suffix: it was "unknown input format"
+    bare.write_bytes('{"prompt": "hi"}\n'.encode(encoding))
+    with pytest.raises(InputError, match="the file is UTF-16"):
+        read_input(str(bare))
+    wide = tmp_path / "in32.jsonl"  # UTF-32 was named UTF-16, with an iconv hint that garbled it
+    wide.write_bytes('{"prompt": "hi"}\n'.encode("utf-32"))
+    with pytest.raises(InputError, match="the file is UTF-32, not UTF-8.*iconv -f UTF-32"):
+        read_input(str(wide))
 
 
 def test_json_lines_that_end_with_cr_alone_are_named_as_such(tmp_path):
