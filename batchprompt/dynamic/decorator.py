@@ -170,26 +170,31 @@ class DynamicFunction:
             return self
         key = f"__dynamically_{self._fn.__name__}"
         store = getattr(instance, "__dict__", None)
-        weak = not isinstance(store, dict)
-        if weak:  # a class (its __dict__ is read-only) or a class with __slots__
-            try:
-                store = self._bound_to
-            except AttributeError:
-                store = self._bound_to = weakref.WeakKeyDictionary()
-            key = instance
-        try:
+        if isinstance(store, dict):
             bound = store.get(key)
-            if bound is None:
-                # In the instance's own __dict__ a cycle (instance -> batcher -> instance) that the
-                # collector frees; in the weak map the batcher must not hold its key alive.
-                fn = _weakly_bound(self._fn, instance) if weak else self._fn.__get__(instance, owner)
-                bound = DynamicFunction(fn, self._options)
-                store[key] = bound
-        except TypeError:  # not weakly referenceable: __slots__ without __dict__ or __weakref__
-            raise TypeError(f"{type(instance).__name__}.{self._fn.__name__}: a batched method keeps one batcher "
-                            f"per instance, which needs '__dict__' or '__weakref__' in {type(instance).__name__}"
-                            f".__slots__") from None
-        return _Pinned(bound, instance) if weak and not isinstance(instance, type) else bound
+            if bound is None:  # in the instance's own __dict__: a cycle (instance -> batcher -> instance)
+                bound = store[key] = DynamicFunction(self._fn.__get__(instance, owner), self._options)
+            return bound
+        # A class (its __dict__ is read-only) or a class with __slots__: a map by identity, holding
+        # each instance weakly (by equality, two equal dataclass instances shared one batcher and
+        # one's calls ran on the other; an unhashable one was refused).
+        try:
+            found = self._bound_to.get(id(instance))
+        except AttributeError:
+            self._bound_to: dict[int, tuple[weakref.ref, DynamicFunction]] = {}
+            found = None
+        if found is not None and found[0]() is instance:
+            bound = found[1]
+        else:
+            try:
+                ref = weakref.ref(instance, functools.partial(_forget, self._bound_to, id(instance)))
+            except TypeError:  # not weakly referenceable: __slots__ without __dict__ or __weakref__
+                raise TypeError(f"{type(instance).__name__}.{self._fn.__name__}: a batched method keeps one "
+                                f"batcher per instance, which needs '__dict__' or '__weakref__' in "
+                                f"{type(instance).__name__}.__slots__") from None
+            bound = DynamicFunction(_weakly_bound(self._fn, instance), self._options)  # not holding it alive
+            self._bound_to[id(instance)] = (ref, bound)
+        return bound if isinstance(instance, type) else _Pinned(bound, instance)
 
     def __reduce__(self):
         """Pickled by name, as a function is (multiprocessing's spawn): the other process gets its own
@@ -224,14 +229,30 @@ class _Pinned:
         return await self._bound.amany(*args, **kwargs)
 
     def imap(self, *args, **kwargs):
-        yield from self._bound.imap(*args, **kwargs)
+        return _holding(self._bound.imap(*args, **kwargs), self._instance)  # its checks at the call
 
-    async def aimap(self, *args, **kwargs):
-        async for result in self._bound.aimap(*args, **kwargs):
-            yield result
+    def aimap(self, *args, **kwargs):
+        return _aholding(self._bound.aimap(*args, **kwargs), self._instance)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._bound, name)
+
+
+def _holding(results: Iterator, instance: Any) -> Iterator:
+    """`results`, with `instance` held until they are read."""
+    yield from results
+
+
+async def _aholding(results: AsyncIterator, instance: Any) -> AsyncIterator:
+    async for result in results:
+        yield result
+
+
+def _forget(table: dict, key: int, ref: weakref.ref) -> None:
+    """An instance's batcher let go once the instance is gone (unless its id was reused since)."""
+    entry = table.get(key)
+    if entry is not None and entry[0] is ref:
+        del table[key]
 
 
 def _weakly_bound(fn: Callable, instance: Any) -> Callable:

@@ -171,6 +171,36 @@ def test_batched_methods_of_classes_without_an_instance_dict():
         Bare().run(1)
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="dataclass(weakref_slot=) is 3.11's")
+def test_equal_slotted_instances_have_a_batcher_each():
+    """The batchers were found by equality: two equal frozen dataclasses shared one, and b.f(1)
+    ran on a (2, not 10); an unhashable one was refused as if it had no __weakref__."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True, slots=True, weakref_slot=True)
+    class Scaled:
+        name: str
+        scale: int = dataclasses.field(compare=False)
+
+        @bp.dynamically(batch_size=4, timeout_ms=1)
+        def f(self, items):
+            return [x * self.scale for x in items]
+
+    @dataclasses.dataclass(slots=True, weakref_slot=True)  # eq without frozen: unhashable
+    class Mutable:
+        scale: int
+
+        @bp.dynamically(batch_size=4, timeout_ms=1)
+        def f(self, items):
+            return [x * self.scale for x in items]
+
+    a, b = Scaled("m", 2), Scaled("m", 10)
+    assert a == b and (a.f(1), b.f(1)) == (2, 10)
+    assert Mutable(3).f(2) == 6
+    with pytest.raises(TypeError, match="priority must be an integer"):  # at the call, as a function's
+        a.f.imap([1], priority="x")
+
+
 @pytest.mark.skipif(sys.version_info >= (3, 13), reason="classmethod no longer wraps descriptors")
 def test_a_batched_classmethod():
     class Model:
