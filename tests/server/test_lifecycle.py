@@ -272,7 +272,20 @@ def test_a_stop_cuts_requests_whose_body_is_still_coming_with_a_503_at_once(tmp_
             sock.sendall((f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: {ctype}\r\n"
                           f"Content-Length: 100000\r\n\r\n{start}").encode())
             socks.append(sock)
-        time.sleep(1.0)  # the server is reading both bodies
+        # A third sends its body steadily, a little every 0.2 s (never blocked for long): it was not cut
+        steady = socket.create_connection((host, int(port)), timeout=30)
+        steady.sendall((f"POST /v1/files HTTP/1.1\r\nHost: {host}\r\nContent-Type: multipart/form-data; "
+                        f"boundary={boundary}\r\nContent-Length: 10000000\r\n\r\n{upload_head}").encode())
+        socks.append(steady)
+        sending = threading.Event()
+
+        def drip():
+            with contextlib.suppress(OSError):
+                while not sending.wait(0.2):
+                    steady.sendall(b'{"prompt": "x"}\n' * 20)
+
+        threading.Thread(target=drip, daemon=True).start()
+        time.sleep(1.0)  # the server is reading the three bodies
         started = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         answers = []
@@ -285,6 +298,7 @@ def test_a_stop_cuts_requests_whose_body_is_still_coming_with_a_503_at_once(tmp_
                 data += chunk
             answers.append(data.decode(errors="replace"))
         took = time.monotonic() - started
+        sending.set()
         assert srv.proc.wait(STOP_TIMEOUT_S) == 0, srv.output()[-3000:]
         exited = time.monotonic() - started
     finally:
@@ -330,6 +344,7 @@ def test_a_stop_cuts_a_download_to_a_client_that_does_not_read(tmp_path):
         stop_server(srv)
     assert exited < 20, exited  # 30 s and more
     assert "Traceback" not in srv.output() and "CancelledError" not in srv.output(), srv.output()[-3000:]
+    assert "ASGI callable returned without completing" not in srv.output()  # the cut is meant: no error line
 
 
 def test_a_second_ctrl_c_answers_the_requests_in_flight_at_once(tmp_path):
