@@ -29,6 +29,7 @@ class CallbackThread:
         self._dropping = False
         self.dropped = 0  # callbacks on cut results not run since drop_cut()
         self.ran = 0  # callbacks run by the thread
+        self.running = False  # a callback is running now
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
@@ -74,7 +75,7 @@ class CallbackThread:
                 break
         if not self.thread.is_alive():
             return 0
-        return max(self._queue.qsize() - (1 if self._closed else 0), 0) + 1  # the one running too
+        return max(self._queue.qsize() - (1 if self._closed else 0), 0) + (1 if self.running else 0)
 
     def _loop(self) -> None:
         _local.active = True
@@ -82,7 +83,9 @@ class CallbackThread:
             job = self._queue.get()
             if job is None:
                 return
+            self.running = True
             _run(*job)
+            self.running = False
             self.ran += 1
 
 

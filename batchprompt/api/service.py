@@ -284,6 +284,8 @@ class EngineService(StopCounts):
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
         self._thread.join(timeout)
+        if at_exit:  # the callbacks are waited for afterwards, while they go on finishing (finish_callbacks)
+            return not self._thread.is_alive()
         if current is not self._dispatcher:
             self._dispatcher.join(None if deadline is None else max(deadline - time.monotonic(), 0))
         return not self._thread.is_alive() and (current is self._dispatcher or not self._dispatcher.is_alive())
@@ -591,8 +593,8 @@ def _stop_at_exit() -> None:
         except Exception:  # noqa: BLE001 - exiting: the others' callbacks must still run
             log.exception("running the callbacks at exit failed")
     if unrun:
-        log.warning("the script ended with %d batch callback call%s not run: one ran for over %gs at exit",
-                    unrun, "" if unrun == 1 else "s", EXIT_WAIT_S)
+        log.warning("the script ended while a batch callback ran on with none finishing for %gs: it and the "
+                    "callbacks queued after it were not waited for", EXIT_WAIT_S)
     cut = sum(s.cancelled_at_stop for s in running)
     if cut:
         dropped = sum(s.callbacks_dropped for s in running)
