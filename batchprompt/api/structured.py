@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import Any, Sequence
@@ -251,9 +252,31 @@ def _validator(schema: str):
         # taken. Python's `re` read \D as Unicode (an Arabic digit failed `^\D+$`), and one pattern it
         # cannot read ended the whole check, formats included.
         cls = jsonschema.validators.extend(cls, {"pattern": _pattern_keyword})
-        return cls(node, format_checker=cls.FORMAT_CHECKER)
+        return cls(node, format_checker=_with_leap_seconds(cls.FORMAT_CHECKER))
     except Exception:  # noqa: BLE001 - a schema it cannot read: the grammar's word stands
         return None
+
+
+#: A leap second's time (23:59:60), which RFC 3339 and JSON Schema's own tests take and the
+#: date-time checker (rfc3339-validator) refused: checked as :59.
+_LEAP_SECOND = re.compile(r"(\d\d:\d\d):60(?=[.Zz+-]|$)")
+
+
+def _with_leap_seconds(checker):
+    """`checker` with its date-time and time checks taking a leap second."""
+    import copy
+
+    out = copy.copy(checker)
+    out.checkers = dict(checker.checkers)
+    for name in ("date-time", "time"):
+        if name in out.checkers:
+            func, raises = out.checkers[name]
+            out.checkers[name] = (functools.partial(_leap_second_as_59, func), raises)
+    return out
+
+
+def _leap_second_as_59(func, value):
+    return func(_LEAP_SECOND.sub(r"\1:59", value) if isinstance(value, str) else value)
 
 
 def _pattern_keyword(validator, pattern: str, instance: Any, schema: dict):

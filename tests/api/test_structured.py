@@ -433,6 +433,8 @@ def test_a_pattern_is_read_as_ecma_262_and_never_turns_the_check_off(schema, tex
     # where Python's re read it as one and failed the answer the grammar had allowed
     ({"type": "string", "pattern": "^\\D+$"}, '"\u0661"'),
     ({"type": "string", "format": "date-time"}, '"2024-02-29T10:00:00Z"'),
+    ({"type": "string", "format": "date-time"}, '"2016-12-31T23:59:60Z"'),  # a leap second: it was refused
+    ({"type": "string", "format": "time"}, '"23:59:60.5+00:00"'),
     ({"type": "string", "pattern": "^\\p{Lu}[a-z]+$"}, '"Alice"'),
 ])
 def test_an_answer_that_fits_its_schema_is_not_refused_by_the_check(schema, text):
