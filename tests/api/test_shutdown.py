@@ -259,7 +259,7 @@ def test_at_exit_the_callbacks_of_results_that_came_all_run_however_long_they_ta
     assert proc.returncode == 0 and "leaving" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
     assert sorted(line for line in proc.stdout.splitlines() if line.startswith("on_result")) == [
         f"on_result {i}" for i in range(6)], proc.stdout
-    assert "on_complete 6" in proc.stdout and "not run" not in proc.stderr, (proc.stdout, proc.stderr[-2000:])
+    assert "on_complete 6" in proc.stdout and "not waited for" not in proc.stderr, (proc.stdout, proc.stderr[-2000:])
 
 
 def test_a_callback_stuck_at_exit_is_left_with_a_warning():

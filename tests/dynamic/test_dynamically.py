@@ -212,6 +212,19 @@ def test_thread_callers_of_a_batch_are_woken_newest_first():
     assert returned.index(0) >= n // 4, returned
 
 
+def _eight_callers_waiting():
+    """A batcher of 9 whose first batch is held, 8 threads' calls queued in it: the main thread's
+    call completes the batch."""
+    rec = Recorder(hold_first=True)
+    f = bp.dynamically(batch_size=9, timeout_ms=60_000)(rec)
+    results = {}
+    others = [threading.Thread(target=lambda i=i: results.__setitem__(i, f(i))) for i in range(1, 9)]
+    for t in others:
+        t.start()
+    queued(f, 8)
+    return rec, f, results, others
+
+
 def test_a_caller_interrupted_between_queueing_and_waiting_does_not_stall_its_chain(monkeypatch):
     """A signal that lands after the item is queued and before the wait began (a window of a few
     bytecodes) left the caller's wake-up untaken: the callers after it in its chain of wake-ups
@@ -221,13 +234,7 @@ def test_a_caller_interrupted_between_queueing_and_waiting_does_not_stall_its_ch
     class Interrupted(Exception):
         pass
 
-    rec = Recorder(hold_first=True)
-    f = bp.dynamically(batch_size=9, timeout_ms=60_000)(rec)
-    results = {}
-    others = [threading.Thread(target=lambda i=i: results.__setitem__(i, f(i))) for i in range(1, 9)]
-    for t in others:
-        t.start()
-    queued(f, 8)
+    rec, f, results, others = _eight_callers_waiting()
     real_wait = groups._Group.wait
     main = threading.current_thread()
 
@@ -274,13 +281,7 @@ def test_a_caller_interrupted_just_after_its_wake_up_still_wakes_its_chain(monke
         def release(self):
             self.lock.release()
 
-    rec = Recorder(hold_first=True)
-    f = bp.dynamically(batch_size=9, timeout_ms=60_000)(rec)
-    results = {}
-    others = [threading.Thread(target=lambda i=i: results.__setitem__(i, f(i))) for i in range(1, 9)]
-    for t in others:
-        t.start()
-    queued(f, 8)
+    rec, f, results, others = _eight_callers_waiting()
     processor._spare.__dict__.pop("group", None)  # the main thread's call makes a new group
     monkeypatch.setattr(groups, "new_lock", LandsAfterAcquire)
     caller = {}
