@@ -1,8 +1,9 @@
 """`batchprompt serve` (and `python -m batchprompt.server`): the OpenAI-compatible server.
 
 Ctrl-C or SIGTERM stop it cleanly: new requests get 503, requests in flight are cancelled in
-the engine (each answers 503, a stream ends with an error event), async batches are cancelled,
-the engine is released, and the command exits 0."""
+the engine (each answers 503, a stream ends with an error event), transfers still waiting on
+their client are cut (transfers.py), async batches are cancelled, the engine is released, and
+the command exits 0."""
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,9 @@ in --data-dir, resumed after a restart), and the batch endpoints /v1/batch/sync,
 Every request, and every in-process caller of the same model, is batched by one engine.
 Listens on 127.0.0.1 unless --host says otherwise; with --api-key (or $BATCHPROMPT_API_KEY)
 every /v1 route needs the header Authorization: Bearer KEY. Ctrl-C or SIGTERM stop it: requests
-in flight are cancelled (503), and it exits 0.
+in flight are cancelled (503; an upload still arriving a second later too, a download still
+being sent 8 s later is cut), unfinished Batch API batches resume at the next start, and it
+exits 0.
 """
 
 
