@@ -116,6 +116,9 @@ def _rows(n: int) -> str:
     return f"{n} row" if n == 1 else f"{n} rows"
 
 
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
 def detect_format(path: str, raw: bytes | None = None) -> str:
     """The input's format, by its name's suffix; a name without a known one (a process
     substitution's /dev/fd/63, a file named `requests`) is JSON lines if it starts with '{'."""
@@ -124,7 +127,7 @@ def detect_format(path: str, raw: bytes | None = None) -> str:
         return "jsonl"
     if suffix in (".csv", ".tsv"):
         return "csv"
-    if suffix in (".parquet", ".pq"):
+    if suffix in PARQUET_SUFFIXES:
         return "parquet"
     if raw is not None and raw.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{"):
         return "jsonl"
@@ -173,7 +176,7 @@ def read_input(path: str, column: str | None = None, stdin=None) -> Table:
         except OSError as e:  # no read permission: a PermissionError traceback, exit 1
             raise InputError(f"{path}: cannot read it ({e.strerror})") from None
     name = "standard input (-)" if path == "-" else path
-    if Path(path).suffix.lower() not in (".parquet", ".pq"):  # a UTF-16 file without a suffix too
+    if Path(path).suffix.lower() not in PARQUET_SUFFIXES:  # a UTF-16 file without a suffix too
         _check_wide_encoding(raw, name)
     fmt = detect_format(path, raw)
     if fmt == "jsonl":

@@ -336,9 +336,7 @@ def row_spec(row: Row, opts: JobOptions) -> OutputSpec | None:
     if json_schema is not None and b.get("response_format") is not None and not _text_format(b["response_format"]):
         given = "guided_json" if b.get("guided_json") is not None else "structured_outputs"
         raise ValueError(f"response_format and {given} both ask for a constraint: give one of them")
-    rf = b.get("response_format")
-    if json_schema is not None and _text_format(rf):  # "text" asks for no constraint: the other one stands
-        rf = None
+    rf = b.get("response_format")  # "text" beside a schema asks for nothing more (OutputSpec takes both)
     if rf is not None and not (isinstance(rf, dict) and rf.get("type") in ("text", "json_object", "json_schema")):
         # A body's, from JSON: the Python API's message offered "a pydantic model class" here.
         raise ValueError(f'response_format must be {{"type": "json_schema", "json_schema": {{"name": ..., "schema": '
