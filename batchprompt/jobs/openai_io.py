@@ -12,12 +12,25 @@ from .rows import CHAT, Row, RowError, echo_only
 FINISH = {"stop": "stop", "length": "length"}
 
 
-def failed_choice(choices: Sequence[Result]) -> Result | None:
-    """The choice that fails its request, if one does. An output that `max_tokens` cut before it
+def failed_choice(choices: Sequence[Result], total: int | None = None) -> Result | None:
+    """The choice that fails its request, if one does (`total`: the request's choices, n times
+    its prompts, where `choices` are some of them). An output that `max_tokens` cut before it
     completed its structured output is not one: as OpenAI and vLLM answer it, the partial text
     is the answer, with finish_reason "length" (the endpoint, the Batch API and `batchprompt
-    run` alike)."""
-    return next((c for c in choices if c.error is not None and c.finish_reason != "length"), None)
+    run` alike). Nor, in a request of several choices, is an answer that breaks its schema
+    (invalid_output): the others are answered, and it carries its `error` beside its text
+    (choice_error); one bad answer of n=3 lost the two good ones."""
+    several = (len(choices) if total is None else total) > 1
+    return next((c for c in choices if c.error is not None and c.finish_reason != "length"
+                 and not (several and c.error.startswith(INVALID_OUTPUT))), None)
+
+
+def choice_error(r: Result) -> dict[str, Any] | None:
+    """The `error` of a choice whose answer broke its schema, in a request of several choices
+    (failed_choice), in OpenAI's error shape; None for any other choice."""
+    if r.error is None or r.finish_reason == "length" or not r.error.startswith(INVALID_OUTPUT):
+        return None
+    return {"message": r.error, "type": "invalid_request_error", "param": None, "code": "invalid_output"}
 
 
 #: How the structured-output check words an answer that its grammar let through but that breaks
@@ -141,6 +154,8 @@ def _with_extras(choice: dict[str, Any], r: Result, with_ids: bool) -> dict[str,
     with every label's probability, `token_ids` where the body asked (return_token_ids), and
     vLLM's `stop_reason`."""
     choice["stop_reason"] = r.stop_reason  # vLLM's: the stop string or token id, else null
+    if (error := choice_error(r)) is not None:
+        choice["error"] = error
     if r.choice_probs is not None:
         choice["choice_probs"] = dict(r.choice_probs)
     if with_ids:

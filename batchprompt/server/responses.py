@@ -210,8 +210,9 @@ class Chunks:
             out.append(self._chunk([self._with_ids(index, last)], index))
         finish = {"index": i, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"],
                   "stop_reason": choice.get("stop_reason")}
-        if "choice_probs" in choice:  # score mode: on the choice's last chunk, as on the whole answer's choice
-            finish["choice_probs"] = choice["choice_probs"]
+        for extra in ("choice_probs", "error"):  # on the choice's last chunk, as on the whole answer's choice
+            if extra in choice:  # score mode's probabilities; an answer of several that broke its schema
+                finish[extra] = choice[extra]
         if self._ids_unsent.get(index):
             finish = self._with_ids(index, finish)
         return out + [self._chunk([finish], index)]

@@ -147,3 +147,24 @@ def test_an_answer_that_breaks_its_schema_is_the_server_s_fault_with_its_text():
     line = openai_io.answer(row, [failed], "m", 0, None).record
     assert line["error"]["code"] == "invalid_output" and line["response"]["status_code"] == 400
     assert line["error"]["message"].endswith('(the grammar engine let it through); the output: {"p": 0}')
+
+
+def test_of_a_rows_n_choices_one_that_breaks_its_schema_carries_its_error_and_the_row_is_answered():
+    """n = 2, one answer good and one that broke its schema: the whole row went to the errors
+    file, the good answer with it. Now the row is answered, the bad choice with its `error`; a
+    choice that failed otherwise (the engine's fault) still fails the row."""
+    from batchprompt import Result
+    from batchprompt.jobs import openai_io
+    from batchprompt.jobs.rows import CHAT, Row
+
+    row = Row(3, "r3", CHAT, messages=[{"role": "user", "content": "p?"}], body={"n": 2})
+    good = Result(0, '{"p": 0.3}', "stop")
+    bad = Result(1, '{"p": 0}', "stop", error="the output breaks its schema at p: 0 is less than or equal to the "
+                                               "minimum of 0 (the grammar engine let it through)")
+    line = openai_io.answer(row, [good, bad], "m", 0, None).record
+    choices = line["response"]["body"]["choices"]
+    assert line["error"] is None and [c["message"]["content"] for c in choices] == ['{"p": 0.3}', '{"p": 0}']
+    assert "error" not in choices[0] and choices[1]["error"]["code"] == "invalid_output", choices
+    broken = Result(1, "", "error", error="the model failed on this step: RuntimeError: boom")
+    line = openai_io.answer(row, [good, broken], "m", 0, None).record
+    assert line["error"]["code"] == "engine_error", line

@@ -404,6 +404,38 @@ def test_a_streamed_answer_that_breaks_its_schema_ends_with_an_error_event(serve
     assert "stop" not in finished, events
 
 
+def test_of_several_choices_one_that_breaks_its_schema_carries_its_error_and_the_others_are_answered(server):
+    """A list of two prompts under one schema, one answered with a date that does not exist: the
+    whole request was a 400, and the good answer was lost (so with n > 1). Now it is a 200; the
+    bad choice keeps its text and carries OpenAI's error object, streamed on its last chunk too."""
+    schema = {"enum": ["2023-02-28", "2023-02-29"], "format": "date"}
+    body = {"model": "smollm2-135m", "max_tokens": 12, "temperature": 0, "guided_json": schema,
+            "prompt": [f'{d!r} {d!r} {d!r} {d!r} '.replace("'", '"') for d in ("2023-02-28", "2023-02-29")]}
+    with server.client() as c:
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+        with c.stream("POST", "/v1/completions", json=dict(body, stream=True)) as s:
+            events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert [ch["text"] for ch in choices] == ['"2023-02-28"', '"2023-02-29"'], choices
+    assert "error" not in choices[0] and choices[0]["finish_reason"] == "stop", choices
+    assert choices[1]["error"]["code"] == "invalid_output", choices
+    assert "is not a 'date'" in choices[1]["error"]["message"], choices
+    assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1]), events
+    streamed = [ch for e in events[:-1] for ch in json.loads(e)["choices"]]
+    finished = {ch["index"]: ch for ch in streamed if ch["finish_reason"] is not None}
+    assert sorted(finished) == [0, 1] and "error" not in finished[0], events
+    assert finished[1]["error"]["code"] == "invalid_output", events
+    for i, choice in enumerate(choices):
+        assert "".join(ch["text"] for ch in streamed if ch["index"] == i) == choice["text"], events
+    # n = 2 of a chat, both choices bad: each carries its error, through the openai client too
+    out = server.openai().chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": "A date?"}], max_tokens=16, n=2,
+        extra_body={"guided_json": {"const": "2023-02-29", "format": "date"}})
+    assert [(c.message.content, c.model_extra["error"]["code"]) for c in out.choices] == [
+        ('"2023-02-29"', "invalid_output")] * 2, out
+
+
 @pytest.mark.parametrize("field, value", [("max_tokens", -5), ("n", 0), ("top_p", 2), ("temperature", -1),
                                           ("presence_penalty", 9), ("stop", [""]),
                                           ("stop", "")])  # as vLLM: an empty stop string, alone too
