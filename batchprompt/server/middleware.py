@@ -89,8 +89,12 @@ class RequireApiKey:
         if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
             await self.app(scope, receive, send)
             return
-        message = ("missing API key: send the header Authorization: Bearer <key> (the server's --api-key)"
-                   if not given else "incorrect API key (the server's --api-key or $BATCHPROMPT_API_KEY)")
+        if not given:
+            message = "missing API key: send the header Authorization: Bearer <key> (the server's --api-key)"
+        elif scheme.lower() != b"bearer" or not token.strip():  # a bare key, or Basic: the key was not judged
+            message = "the Authorization header must read Bearer <key> (the server's --api-key)"
+        else:
+            message = "incorrect API key (the server's --api-key or $BATCHPROMPT_API_KEY)"
         await _send_error(send, 401, message, "invalid_api_key", [(b"www-authenticate", b"Bearer")])
 
 

@@ -38,6 +38,9 @@ def test_v1_routes_need_the_key(server, headers):
         r = httpx.request(method, server.url + path, headers=headers, json={}, timeout=60)
         assert r.status_code == 401, (path, r.text)
         assert error_of(r)["code"] == "invalid_api_key"
+        # A key without its scheme was "incorrect", which sent its user to check the key itself.
+        bearer = headers.get("Authorization", "Bearer").startswith("Bearer")
+        assert ("must read Bearer <key>" in error_of(r)["message"]) != bearer, r.text
 
 
 def test_the_key_opens_them(server):
