@@ -124,14 +124,16 @@ def shown(value) -> str:
 
 
 def check_context(ids: list[int], max_model_len: int, what: str, max_tokens: int | None,
-                  field: str = "max_tokens") -> list[int]:
+                  field: str = "max_tokens", default: bool = False) -> list[int]:
     """The prompt's ids, or Refused where the prompt (`what`: "the messages", "the prompt")
-    plus `max_tokens` (when the body asks for a number, in `field`) does not fit the context."""
+    plus `max_tokens` (when the body asks for a number, in `field`; `default`: the endpoint's
+    own, as /v1/completions' 16, where the body gives none) does not fit the context."""
     if len(ids) >= max_model_len:
         raise too_long(what, str(len(ids)), max_model_len)
     if max_tokens is not None and len(ids) + max_tokens > max_model_len:
+        given = f"{field} {max_tokens}" + (" (the default, where the body gives none)" if default else "")
         raise Refused(f"the context holds {max_model_len} tokens, but this request asks for "
-                      f"{len(ids) + max_tokens}: {len(ids)} in {what} and {field} {max_tokens}; lower "
+                      f"{len(ids) + max_tokens}: {len(ids)} in {what} and {given}; lower "
                       f"{field} to at most {max_model_len - len(ids)} or shorten the prompt",
                       "context_length_exceeded", field)
     return ids

@@ -69,7 +69,8 @@ def plan_completion(body: dict, tokenizer, max_model_len: int, request_id: str |
         row = replace(base, prompt=prompt if isinstance(prompt, str) else None)
         ids = _render(row, tokenizer, max_model_len, what) if isinstance(prompt, str) else list(prompt)
         rows.append(row)
-        all_ids.append(_checked(ids, max_model_len, what, params.max_tokens, max_tokens_name(body)))
+        all_ids.append(_checked(ids, max_model_len, what, params.max_tokens, max_tokens_name(body),
+                                default=refusals.asked_max_tokens(body, params) is None))
     return Plan(rid, rows, n, _choices(all_ids, params, n, spec), openai_io.TokenPieces.of(tokenizer), tokenizer.decode)
 
 
@@ -183,11 +184,12 @@ def _render(row: Row, tokenizer, max_model_len: int, what: str = "") -> list[int
         raise ApiError(400, f"the prompt cannot be rendered: {type(e).__name__}: {e}", "invalid_prompt") from None
 
 
-def _checked(ids: list[int], max_model_len: int, what: str, max_tokens: int | None, field: str) -> list[int]:
-    """The prompt's ids, or a 400 where the prompt plus `max_tokens` (when asked for, in `field`)
-    does not fit."""
+def _checked(ids: list[int], max_model_len: int, what: str, max_tokens: int | None, field: str,
+             default: bool = False) -> list[int]:
+    """The prompt's ids, or a 400 where the prompt plus `max_tokens` (when asked for, in `field`;
+    `default`: the endpoint's own) does not fit."""
     with _refusal_as_400():
-        return refusals.check_context(ids, max_model_len, what, max_tokens, field)
+        return refusals.check_context(ids, max_model_len, what, max_tokens, field, default)
 
 
 def _choices(all_ids: list[list[int]], params, n: int, spec) -> list[Prepared]:

@@ -87,6 +87,17 @@ def test_max_tokens_beyond_the_context_names_the_field_given(tokenizer, field):
     assert e.value.param == field, e.value.message
 
 
+@pytest.mark.parametrize("given", [{}, {"max_tokens": None}, {"max_tokens": 16}])
+def test_a_completion_whose_default_max_tokens_does_not_fit_says_it_is_the_default(tokenizer, given):
+    """A prompt that leaves 4 tokens: "max_tokens 16" was named as if the body had asked for it."""
+    ids = plan_completion({"prompt": "hi " * 20}, tokenizer, 8192).prepared[0].token_ids
+    with pytest.raises(ApiError) as e:
+        plan_completion({"prompt": "hi " * 20, **given}, tokenizer, len(ids) + 4)
+    assert (e.value.code, e.value.param) == ("context_length_exceeded", "max_tokens")
+    default = "and max_tokens 16 (the default, where the body gives none); lower max_tokens to at most 4"
+    assert (default in e.value.message) == ("max_tokens" not in given or given["max_tokens"] is None), e.value.message
+
+
 def test_guided_json_true_is_any_json_value(tokenizer):
     # A 422 invalid_type, where structured_outputs {"json": true} and guided_json "true" were taken.
     grammar = plan_chat({"messages": M, "guided_json": True}, tokenizer, 8192).prepared[0].params.grammar
