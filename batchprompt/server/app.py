@@ -16,7 +16,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from . import routes_batch, routes_batch_api, routes_files, routes_health, routes_openai, routes_tokens
 from .config import ServerConfig
-from .errors import install_handlers
+from .errors import JSONAnswer, install_handlers
 from .metrics import Metrics
 from .middleware import LimitBody, RecordMetrics, RequireApiKey
 from .openapi import openapi_schema
@@ -40,7 +40,10 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
 
     # No /docs page: the API is OpenAI's, documented there and in the README. /openapi.json
     # describes the routes with their bodies (openapi.py), for tools (schemathesis fuzzes it).
-    app = FastAPI(title="batchprompt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    # JSONAnswer: a route's dict is written by errors.JSONAnswer (a lone surrogate escaped), not by
+    # pydantic's fast path, which refused one.
+    app = FastAPI(title="batchprompt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+                  default_response_class=JSONAnswer)
     app.openapi = lambda: openapi_schema(app, api_key=config.api_key is not None)
     app.state.server = state
     app.state.metrics = metrics = Metrics(state)

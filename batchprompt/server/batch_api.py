@@ -20,7 +20,7 @@ from . import batch_files
 from .batch_files import FILE_NAME
 from .batch_input import ENDPOINTS
 from .batch_job import BatchJob, Counts, state_detail
-from .batch_store import FINAL, Store, UnknownCursor
+from .batch_store import FINAL, Store, UnknownCursor, is_text
 from .data_dir import DataDir, DataDirError
 from .errors import ApiError
 
@@ -317,6 +317,11 @@ def check_metadata(metadata: Any) -> dict[str, str] | None:
     if len(metadata) > 16:
         raise ApiError(400, f"{rule}; it has {len(metadata)} pairs", "invalid_metadata", "metadata")
     for k, v in metadata.items():
+        if not is_text(k) or not is_text(v):  # a lone surrogate (JSON's "\ud800"): stored, it was a 500
+            name = k.encode("utf-8", "backslashreplace").decode()[:40]
+            raise ApiError(400, f"metadata must be Unicode text: {'the key' if not is_text(k) else 'the value of'} "
+                                f"'{name}' holds a lone surrogate",
+                           "invalid_metadata", "metadata")
         if len(k) > 64:
             raise ApiError(400, f"{rule}; the key {k[:20]!r}... has {len(k)} characters", "invalid_metadata",
                            "metadata")

@@ -77,6 +77,8 @@ class Store:
                        [record.get(c) for c in FILE_COLUMNS])
 
     def get_file(self, file_id: str) -> dict[str, Any] | None:
+        if not is_text(file_id):  # a lone surrogate from a JSON body, which SQLite cannot take: no such file
+            return None
         with self._tx() as db:
             row = db.execute(f"SELECT {', '.join(FILE_COLUMNS)} FROM files WHERE id = ?", (file_id,)).fetchone()
         return dict(zip(FILE_COLUMNS, row)) if row else None
@@ -130,6 +132,8 @@ class Store:
         return [dict(zip(FILE_COLUMNS, r)) for r in rows]
 
     def get_batch(self, batch_id: str) -> dict[str, Any] | None:
+        if not is_text(batch_id):
+            return None
         with self._tx() as db:
             row = db.execute("SELECT data FROM batches WHERE id = ?", (batch_id,)).fetchone()
         return json.loads(row[0]) if row else None
@@ -212,3 +216,12 @@ def _server_storage_error(path: Path, e: sqlite3.Error) -> StorageError:
     error = StorageError.from_sqlite(path, e)
     error.then = "start the server again (finished requests do not run again)"
     return error
+
+
+def is_text(value: str) -> bool:
+    """Whether `value` is Unicode text that SQLite can take (no lone surrogate)."""
+    try:
+        value.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False

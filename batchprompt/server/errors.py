@@ -4,7 +4,9 @@ Routes raise ApiError (or let FastAPI/Starlette raise theirs); the handlers here
 into the same JSON body, so a client reads one shape whatever went wrong."""
 from __future__ import annotations
 
+import json
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,6 +19,19 @@ from ..jobs.storage import StorageError
 
 log = logging.getLogger("batchprompt")
 
+
+
+class JSONAnswer(JSONResponse):
+    """A JSON answer that also carries a lone surrogate ("\\ud800", valid JSON that a client may
+    send, and its error message or a batch's metadata may repeat), written as JSON's own escape.
+    Starlette's encoding of it raised (a 500, then a dropped connection), and pydantic's, of a
+    batch stored with such metadata, failed every later list of batches."""
+
+    def render(self, content: Any) -> bytes:
+        # Outside strings json.dumps writes ASCII alone, so a surrogate can only be inside one,
+        # where backslashreplace's "\\udXXX" is exactly JSON's escape of it.
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None,
+                          separators=(",", ":")).encode("utf-8", "backslashreplace")
 
 
 class ApiError(Exception):
@@ -32,7 +47,7 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
 
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
                    headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
+    return JSONAnswer(error_body(status, message, code, param), status_code=status, headers=headers)
 
 
 def install_handlers(app: FastAPI) -> None:

@@ -27,7 +27,7 @@ from ..jobs import refusals
 from ..jobs.rows import MAX_N
 from . import waiting
 from .batches import AsyncBatch, check_callback_url, redacted
-from .errors import ApiError
+from .errors import ApiError, JSONAnswer
 from .responses import progress_json, result_json
 from .schemas import BatchRequest, read_json
 from .state import CANCEL_GRACE_S, SHUTTING_DOWN, ServerState
@@ -155,8 +155,8 @@ async def batch_async(request: Request) -> JSONResponse:
         raise
     batch.start()
     job.task = asyncio.ensure_future(_finish(state, job))
-    return JSONResponse({"batch_id": job.id, "id": job.id, "object": "batch.async", "status": job.status,
-                         "total": batch.total}, status_code=202)
+    return JSONAnswer({"batch_id": job.id, "id": job.id, "object": "batch.async", "status": job.status,
+                       "total": batch.total}, status_code=202)
 
 
 async def _finish(state: ServerState, job: AsyncBatch) -> None:

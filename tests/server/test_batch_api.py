@@ -237,6 +237,35 @@ def test_create_errors(client):
     assert all(b.input_file_id != f.id for b in client.batches.list().data)
 
 
+def test_a_lone_surrogate_in_a_body_is_a_400_and_never_a_500(server, client):
+    """JSON's "\\ud800" is valid JSON. In a batch's metadata it was stored, its create answered
+    500, and every later list of batches answered 500 (restarts too); an error message that
+    repeated it (an unknown field's name) was a 500 that then dropped the connection."""
+    import httpx
+
+    f = upload(client, [chat_line("a", "Hi")])
+    create = ('{"input_file_id": "%s", "endpoint": "/v1/chat/completions", "completion_window": "24h", '
+              '"metadata": %s}')
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        for metadata, where in (('{"k": "\\ud800"}', "the value of 'k'"), ('{"k\\udfff": "v"}', "the key 'k\\udfff'")):
+            r = c.post("/v1/batches", content=create % (f.id, metadata), headers={"content-type": "application/json"})
+            assert r.status_code == 400 and error_of(r)["code"] == "invalid_metadata", r.text
+            assert f"{where} holds a lone surrogate" in error_of(r)["message"], r.text
+        for path, body in (("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], '
+                                                     '"max_tokens": 2, "bogus\\ud800": 1}'),
+                           ("/v1/batch/sync", '{"prompts": ["hi"], "max_tokens": 2, "bogus\\ud800": 1}'),
+                           ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], '
+                                                    '"max_tokens": "\\ud800"}'),
+                           ("/v1/batches", '{"input_file_id": "\\ud800", "endpoint": "/v1/chat/completions", '
+                                           '"completion_window": "24h"}')):
+            r = c.post(path, content=body, headers={"content-type": "application/json"})
+            assert 400 <= r.status_code < 500, (path, r.text)
+            assert "\\ud800" in r.text, r.text  # JSON's escape of it, in the message
+            assert c.get("/v1/models").status_code == 200  # the same connection still answers
+        assert c.get("/v1/batches").status_code == 200
+    assert all(b.input_file_id != f.id for b in client.batches.list().data)
+
+
 def test_upload_errors(server, client):
     with pytest.raises(openai.BadRequestError, match="purpose 'fine-tune' is not supported"):
         client.files.create(file=("a.jsonl", b"{}\n"), purpose="fine-tune")

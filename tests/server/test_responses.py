@@ -137,3 +137,22 @@ def test_an_async_batch_cancelled_after_its_last_result_completed():
     assert job.status == "cancelled"
     job.finished_at = None
     assert job.status == "cancelling"
+
+
+def test_a_route_s_answer_holding_a_lone_surrogate_is_written_with_json_s_escape():
+    """A batch stored with such metadata by an earlier version: pydantic's writer of a route's
+    dict raised on it, so every list of batches that held it was a 500."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from batchprompt.server.errors import JSONAnswer
+
+    app = FastAPI(default_response_class=JSONAnswer)
+
+    @app.get("/x")
+    async def x() -> dict:
+        return {"metadata": {"k": "\ud800"}, "name": "é"}
+
+    r = TestClient(app).get("/x")
+    assert r.status_code == 200 and r.content == '{"metadata":{"k":"\\ud800"},"name":"é"}'.encode()
+    assert r.json() == {"metadata": {"k": "\ud800"}, "name": "é"}
