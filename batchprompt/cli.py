@@ -306,8 +306,10 @@ def run_command(args: argparse.Namespace) -> int:
     print(summary, file=sys.stderr)
     if summary.interrupted:
         return _interrupted_exit(summary.interrupted_by)
-    # A dry run's status is the job's as it would end: rows that cannot run, or that failed before.
-    return EXIT_ROWS_FAILED if summary.failed or summary.resumed_failed else EXIT_OK
+    # A dry run's status is the job's as it would end: rows that cannot run, or that failed before;
+    # or every row it timed failed (a pool whose servers all fail: `--dry-run && run` went on).
+    failed = summary.failed or summary.resumed_failed or summary.calibration_error
+    return EXIT_ROWS_FAILED if failed else EXIT_OK
 
 
 def _interrupted_exit(signum: int) -> int:

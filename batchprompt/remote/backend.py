@@ -588,12 +588,15 @@ class RemoteBackend(StopCounts):
         try:
             return await send(text), text
         except EndpointError as err:
-            if text or e.accepts_token_ids is not None or err.kind != "request" or err.status not in (400, 422):
+            # Also once it is known to refuse ids: requests sent as ids before another's answer
+            # said so failed as their prompts' own fault (6 of 20 rows, journaled as failed).
+            if text or e.accepts_token_ids is True or err.kind != "request" or err.status not in (400, 422):
                 raise
             answer = await send(True)  # its failure is the prompts' own
+            if e.accepts_token_ids is None:  # one warning, from the first request that learns it
+                log.warning("%s refuses token-id prompts (%s): it gets text from now on (the same tokens, decoded)",
+                            e.url, err.message)
             e.accepts_token_ids = False
-            log.warning("%s refuses token-id prompts (%s): it gets text from now on (the same tokens, decoded)",
-                        e.url, err.message)
             return answer, True
 
     def _as_text(self, ids: list[int]) -> str:
@@ -627,7 +630,16 @@ class RemoteBackend(StopCounts):
                 self._requeue(half, e, err, delay=backoff(self.pool.backoff_s, 1) if count else 0.0, count=count)
             return
         w = sb.works[0]
-        if err.kind == "request":  # the server refuses this prompt: its answer
+        if err.kind == "request":  # the server refuses this prompt: its answer, once another agrees
+            # One endpoint's 4xx may be its own (a proxy's 404, its own 413 or 422, a server behind
+            # it that refuses ids): the row failed for good while healthy endpoints were there.
+            # Another endpoint that has not failed it is asked once (a prompt too long for every
+            # server costs one more request).
+            if not w.refused and any(x.alive and x.index != e.index and x.index not in w.avoid
+                                     for x in self.endpoints):
+                w.refused = True
+                self._requeue([w], e, err, delay=0.0, count=False)
+                return
             self._finish_error(w, err.message)
             return
         self._requeue([w], e, err, delay=backoff(self.pool.backoff_s, w.attempts + 1))

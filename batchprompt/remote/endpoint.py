@@ -261,7 +261,7 @@ def _http_error(where: str, r: httpx.Response) -> EndpointError:
     message = _error_message(r)
     status = r.status_code
     text = f"{where}: HTTP {status}: {message}"
-    if status in (429, 503):
+    if status in (429, 503, 408):  # 408: the server (or a proxy) timed the request out, as a 503 says busy
         return EndpointError("overloaded", text, status, _retry_after(r))
     if status in (502, 504):  # a proxy or load balancer whose server is down or hung
         return EndpointError("gateway", text, status)

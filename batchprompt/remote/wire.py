@@ -153,7 +153,9 @@ class CompletionStream:
             raise EndpointError("server", f"{self.where}: a stream chunk's choices are not a list", 200)
         complete = []
         for c in choices:
-            index = c.get("index", 0) if isinstance(c, dict) else None
+            # No index: choice 0 where it is the only one; of several, no choice (every prompt's
+            # pieces were joined into prompt 0's answer, an ok result).
+            index = c.get("index", 0 if self.n_prompts * self.n == 1 else None) if isinstance(c, dict) else None
             if not isinstance(index, int) or not 0 <= index < self.n_prompts * self.n:
                 raise EndpointError("server", f"{self.where}: a stream chunk has a choice of index {index!r} "
                                               f"(expected 0 to {self.n_prompts * self.n - 1})", 200)

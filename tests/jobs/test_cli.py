@@ -465,11 +465,12 @@ def test_dry_run_counts_and_estimates_without_running(tmp_path, capsys):
 
 def test_a_dry_run_whose_calibration_rows_all_fail_gives_no_estimate(tmp_path, capsys):
     """Every calibration row failed (an endpoint answering 500, retried with backoff), and the dry
-    run gave their retries' time as the estimate, with nothing said of the failures."""
+    run gave their retries' time as the estimate, with nothing said of the failures. It exits 1,
+    as the run would end (it exited 0, so `--dry-run && run` went on with a pool of failing servers)."""
     inp = tmp_path / "in.jsonl"
     write_sms_batch(inp, 8)
     args = ["run", str(inp), "-o", str(tmp_path / "o.jsonl"), "--dry-run", "--no-progress"]
-    assert main(args + ["--regex", "[ab]{40}", "--max-tokens", "2"]) == 0
+    assert main(args + ["--regex", "[ab]{40}", "--max-tokens", "2"]) == 1
     err = capsys.readouterr().err
     assert "calibration: all 4 rows failed in" in err and "the first: the output reached max_tokens" in err, err
     assert "no estimate: every calibration row failed (the output reached max_tokens" in err

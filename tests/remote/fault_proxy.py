@@ -9,7 +9,10 @@ request to the upstream server with httpx, unless a fault is planned for it:
 - `slow_factor = k`: every answer is held back until k times what the upstream took (the
   benchmark's "3x slower" endpoint: it costs the machine no CPU, only time);
 - `set_down(True)`: stop listening and cut open connections (a dead endpoint); `set_down(False)`
-  listens again on the same port (it comes back).
+  listens again on the same port (it comes back);
+- `plan("404" | "408" | "422", count)`: those statuses, as a proxy or a server answers them;
+- `refuse_ids = SECONDS`: a POST whose prompts are token ids is answered 400 (a server that takes
+  text only), the first at once and each later one after SECONDS (sent before the pool knew).
 
 A client that goes away while its request is forwarded has the upstream request cancelled too
 (so our server aborts it, as it does for a direct client). `requests` counts what reached the
@@ -25,7 +28,8 @@ import httpx
 
 from batchprompt.server.process import free_port
 
-REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 422: "Unprocessable Entity", 429: "Too Many Requests",
+REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 408: "Request Timeout", 422: "Unprocessable Entity",
+           429: "Too Many Requests",
            500: "Internal Server Error", 503: "Service Unavailable"}
 
 
@@ -35,6 +39,8 @@ class FaultProxy:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.slow_factor = 1.0
+        self.refuse_ids: float | None = None
+        self.ids_refused = 0
         self.requests: Counter[str] = Counter()
         self.faults_done: Counter[str] = Counter()
         self._plan: deque[str] = deque()
@@ -116,9 +122,16 @@ class FaultProxy:
                 if fault == "drop":
                     writer.transport.abort()
                     return
-                if fault in ("500", "429", "503"):
+                if self.refuse_ids is not None and method == "POST" and _has_id_prompts(body):
+                    self.ids_refused += 1
+                    if self.ids_refused > 1:
+                        await asyncio.sleep(self.refuse_ids)
+                    await _write(writer, 400, b'{"error": {"message": "prompt must be a string", "type": '
+                                              b'"invalid_request_error", "param": "prompt", "code": null}}', {})
+                    continue
+                if fault in ("500", "429", "503", "404", "408", "422"):
                     status = int(fault)
-                    extra = {"Retry-After": "0.2"} if status != 500 else {}
+                    extra = {"Retry-After": "0.2"} if status in (429, 503) else {}
                     await _write(writer, status, b'{"error": {"message": "injected fault", "type": "server_error", '
                                                  b'"param": null, "code": "injected"}}', extra)
                     continue
@@ -159,6 +172,16 @@ class FaultProxy:
             await asyncio.sleep((self.slow_factor - 1) * (time.monotonic() - t0))
         extra = {"Retry-After": r.headers["retry-after"]} if "retry-after" in r.headers else {}
         return r.status_code, r.content, extra
+
+
+def _has_id_prompts(body: bytes) -> bool:
+    import json
+
+    try:
+        prompt = json.loads(body).get("prompt")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(prompt, list) and any(not isinstance(p, str) for p in prompt)
 
 
 async def _read_request(reader: asyncio.StreamReader):

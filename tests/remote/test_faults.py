@@ -157,6 +157,39 @@ def test_one_bad_prompt_fails_alone(two_servers, reference):
     assert all(r.error is None for i, r in enumerate(got) if i != 5)
 
 
+def test_a_4xx_of_one_endpoint_is_asked_of_another_before_its_prompt_fails(two_servers, proxy, reference):
+    """An endpoint answering 404 (a proxy's wrong route) or 422 to everything, beside a healthy
+    one: each prompt it refused failed for good (journaled in `run`). Another endpoint is asked
+    once; a 408 is the endpoint's being busy, as a 503."""
+    want = reference(PROMPTS[:8], max_tokens=4)
+    for fault in ("404", "422", "408"):
+        proxy.clear()
+        proxy.plan(fault, 1000)
+        with pool_of([two_servers[0].url, proxy.url], use_batch=False, backoff_s=0.05) as pool:
+            lm = bp.LanguageModel.create(model=pool, max_tokens=4)
+            got = lm.batch_prompt(PROMPTS[:8])
+        assert [r.error for r in got] == [None] * 8, (fault, got)
+        assert [r.text for r in got] == want
+        assert proxy.faults_done[fault] >= 1, fault
+
+
+def test_prompts_sent_as_ids_before_the_endpoint_was_known_to_refuse_them_go_again_as_text(proxy, reference,
+                                                                                          caplog):
+    """A server that takes text only, refusing the later id requests after the first one's text
+    answer set the endpoint text-only: each of those failed as its prompt's own fault, and the
+    warning came once per request."""
+    want = reference(PROMPTS[:8], max_tokens=4)
+    proxy.refuse_ids = 3.0
+    with caplog.at_level("WARNING", logger="batchprompt"):
+        with pool_of([proxy.url], use_batch=False) as pool:
+            lm = bp.LanguageModel.create(model=pool, max_tokens=4)
+            got = lm.batch_prompt(PROMPTS[:8])
+    assert [r.error for r in got] == [None] * 8, got
+    assert [r.text for r in got] == want
+    assert proxy.ids_refused >= 2  # some were in flight as ids when the first learnt it
+    assert sum("refuses token-id prompts" in r.getMessage() for r in caplog.records) == 1, caplog.text
+
+
 def test_a_server_killed_mid_batch_leaves_the_batch_to_the_others(tmp_path, reference):
     prompts = [f"Write one sentence about the number {i}." for i in range(24)]
     want = reference(prompts, max_tokens=24)

@@ -152,3 +152,14 @@ def test_a_stream_of_keep_alives_alone_times_out():
 
     err, took = asyncio.run(main())
     assert err.kind == "timeout" and "only keep-alives" in str(err) and took < 5, (err, took)
+
+
+def test_a_stream_of_several_choices_without_their_index_is_the_servers_fault():
+    """A proxy that dropped `index`: every prompt's pieces were joined into prompt 0's answer,
+    an ok result. One choice may leave it out."""
+    with pytest.raises(EndpointError, match="a choice of index None") as e:
+        CompletionStream(2, 1, "http://h").feed({"choices": [{"text": "a", "finish_reason": None}]})
+    assert e.value.kind == "server"
+    one = CompletionStream(1, 1, "http://h")
+    assert one.feed({"choices": [{"text": "a", "finish_reason": None}]}) == []
+    assert [p for p, _ in one.feed({"choices": [{"text": "b", "finish_reason": "stop"}]})] == [0]
