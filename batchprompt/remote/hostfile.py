@@ -93,9 +93,12 @@ def parse_hostfile(path: str | Path) -> list[EndpointSpec]:
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as e:
-        hint = (f" (if {str(path)!r} is a server, give its port: {path}:8000)"
-                if isinstance(e, FileNotFoundError) and re.fullmatch(r"[A-Za-z0-9.-]+|\[[0-9a-fA-F:.]+\]", str(path))
-                else "")
+        missing = isinstance(e, FileNotFoundError)
+        hint = ""
+        if missing and re.fullmatch(r"[A-Za-z0-9.-]+|\[[0-9a-fA-F:.]+\]", str(path)):
+            hint = f" (if {str(path)!r} is a server, give its port: {path}:8000)"
+        elif missing and len(str(path).split()) > 1:  # servers joined by spaces: read as one file's name
+            hint = f" (several servers are joined by commas: {','.join(str(path).split())})"
         raise HostfileError(f"cannot read the hostfile {p}: {e.strerror or e}{hint}") from None
     except UnicodeDecodeError:
         raise HostfileError(f"{p} is not UTF-8 text: a hostfile lists one endpoint (host:port) a line") from None

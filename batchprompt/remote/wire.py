@@ -118,9 +118,11 @@ def parse_completions(data: Any, n_prompts: int, n: int, where: str) -> list[lis
     """The answer's choices, grouped per prompt (choice index = prompt * n + sample, as vLLM
     and our server number them); EndpointError('server') when the shape is wrong."""
     choices = data.get("choices") if isinstance(data, dict) else None
-    if not isinstance(choices, list) or len(choices) != n_prompts * n:
-        got = len(choices) if isinstance(choices, list) else type(choices).__name__
-        raise EndpointError("server", f"{where}: expected {n_prompts * n} choices, got {got}", 200)
+    if not isinstance(choices, list):
+        raise EndpointError("server", f"{where}: the answer has no list of choices (its `choices`: "
+                                      f"{type(choices).__name__})", 200)
+    if len(choices) != n_prompts * n:
+        raise EndpointError("server", f"{where}: expected {n_prompts * n} choices, got {len(choices)}", 200)
     try:
         ordered = sorted(choices, key=lambda c: c.get("index", 0))
         samples = [_sample(c) for c in ordered]

@@ -90,3 +90,6 @@ def test_a_routes_url_is_its_servers_and_a_bare_host_is_told_to_give_a_port(tmp_
     monkeypatch.chdir(tmp_path)
     with pytest.raises(HostfileError, match=r"if '127.0.0.1' is a server, give its port: 127.0.0.1:8000"):
         endpoint_specs("127.0.0.1")
+    # servers joined by spaces were "No such file or directory", alone
+    with pytest.raises(HostfileError, match=r"several servers are joined by commas: 127.0.0.1:1,127.0.0.1:2\)"):
+        endpoint_specs("127.0.0.1:1 127.0.0.1:2")

@@ -42,6 +42,9 @@ def test_answers_are_grouped_per_prompt_in_index_order():
     assert [[s.text for s in p] for p in per] == [["a"], ["b"]]
     with pytest.raises(EndpointError, match="expected 3 choices, got 2"):
         parse_completions(data, 3, 1, "x")
+    # It read "expected 1 choices, got NoneType".
+    with pytest.raises(EndpointError, match=r"x: the answer has no list of choices \(its `choices`: NoneType\)"):
+        parse_completions({"id": "cmpl-1"}, 1, 1, "x")
 
 
 class _Tok:
