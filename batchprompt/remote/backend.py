@@ -372,6 +372,7 @@ class RemoteBackend(StopCounts):
         while self.queue:
             candidates = [e for e in self.endpoints if e.has_room(now)]
             if not candidates:
+                self._give_up_waiting(now)
                 return
             head = self.queue.head()
             if head is None:
@@ -386,6 +387,23 @@ class RemoteBackend(StopCounts):
             self._launch(sb, e)
         if not self.queue:
             self._hedge(now)
+
+    def _give_up_waiting(self, now: float) -> None:
+        """Works failing for longer than give_up_after while every endpoint is backed off (an
+        endpoint answering 429 with a long Retry-After): they ended only at their next try, a
+        Retry-After (up to 60 s) past the bound. Not while an endpoint is only full: its work
+        goes on."""
+        if not all(e.backoff_until > now for e in self.endpoints if e.alive):
+            return
+        expired = self.queue.take_expired(now - self.pool.give_up_after)
+        if not expired:
+            return
+        waits = "; ".join(f"{e.url}: backed off for {e.backoff_until - now:.0f}s more"
+                          for e in self.endpoints if e.alive and e.backoff_until > now)
+        for w in expired:
+            self._finish_error(w, f"gave up after {w.attempts} tries{self._since(w)} (give_up_after "
+                                  f"{self.pool.give_up_after:g}s from the first failure), waiting for a busy "
+                                  f"endpoint ({waits or 'none free'})", retryable=True)
 
     def _waits_for_another(self, head: Work, candidates: list[Endpoint]) -> bool:
         """A retry goes to an endpoint that has not failed it, while one is alive (a load
@@ -669,7 +687,11 @@ class RemoteBackend(StopCounts):
         if err.kind in ("connection", "gateway", "auth", "model") or (err.kind == "timeout" and e.failures >= 1):
             self._mark_dead(e, err.message)
         else:  # a 429/503, or a first timeout: the endpoint slows down
-            e.on_overload(err.retry_after, self.pool.backoff_s)
+            wait = e.on_overload(err.retry_after, self.pool.backoff_s)
+            if err.kind == "overloaded" and e.failures == SERVER_ERRORS_WARNED:  # as for 5xx: it was silent
+                log.warning("endpoint %s answered its last %d requests as busy (%s): it gets less work and waits "
+                            "%.0fs; prompts that wait for it fail after give_up_after (%gs)", e.url, e.failures,
+                            err.message, wait, self.pool.give_up_after)
 
     def _requeue(self, works: list[Work], e: Endpoint, err: EndpointError, delay: float, count: bool = True) -> None:
         again = []

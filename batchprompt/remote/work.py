@@ -92,6 +92,20 @@ class WorkQueue:
         self.queued_tokens -= sum(w.tokens for w in works)
         return works
 
+    def take_expired(self, since_before: float) -> list[Work]:
+        """Take out the works that have been failing since before `since_before` (time.monotonic())."""
+        out = []
+        for key, q in self._queues.items():
+            expired = [w for w in q if w.failing_since is not None and w.failing_since < since_before]
+            if expired:
+                q_left = [w for w in q if not (w.failing_since is not None and w.failing_since < since_before)]
+                q.clear()
+                q.extend(q_left)
+                out += expired
+        self.queued -= len(out)
+        self.queued_tokens -= sum(w.tokens for w in out)
+        return out
+
     def drain(self) -> list[Work]:
         out = []
         for source in list(self._sources.values()):

@@ -11,6 +11,7 @@ request to the upstream server with httpx, unless a fault is planned for it:
 - `set_down(True)`: stop listening and cut open connections (a dead endpoint); `set_down(False)`
   listens again on the same port (it comes back);
 - `plan("404" | "408" | "422", count)`: those statuses, as a proxy or a server answers them;
+  `"429:30"`: a 429 with Retry-After 30;
 - `refuse_ids = SECONDS`: a POST whose prompts are token ids is answered 400 (a server that takes
   text only), the first at once and each later one after SECONDS (sent before the pool knew).
 
@@ -129,9 +130,9 @@ class FaultProxy:
                     await _write(writer, 400, b'{"error": {"message": "prompt must be a string", "type": '
                                               b'"invalid_request_error", "param": "prompt", "code": null}}', {})
                     continue
-                if fault in ("500", "429", "503", "404", "408", "422"):
-                    status = int(fault)
-                    extra = {"Retry-After": "0.2"} if status in (429, 503) else {}
+                if fault in ("500", "429", "503", "404", "408", "422", "429:30"):
+                    status = int(fault.split(":")[0])
+                    extra = {"Retry-After": fault.split(":")[1] if ":" in fault else "0.2"} if status in (429, 503) else {}
                     await _write(writer, status, b'{"error": {"message": "injected fault", "type": "server_error", '
                                                  b'"param": null, "code": "injected"}}', extra)
                     continue

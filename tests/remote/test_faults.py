@@ -103,6 +103,18 @@ def test_give_up_after_bounds_the_tries_of_work_that_keeps_failing(proxy):
     assert time.monotonic() - t0 < 60
 
 
+def test_give_up_after_bounds_the_wait_for_an_endpoint_that_keeps_saying_it_is_busy(proxy):
+    """A 429 with Retry-After 30 to everything, give_up_after 3: the prompts failed only at their
+    next try, 30 s on (the helper's run: 64 s for give_up_after 30), as the endpoint's backoff."""
+    proxy.plan("429:30", 10_000)
+    t0 = time.monotonic()
+    with pool_of([proxy.url], backoff_s=0.05, give_up_after=3) as pool:
+        got = bp.LanguageModel.create(model=pool, max_tokens=2).batch_prompt(PROMPTS[:2])
+    took = time.monotonic() - t0
+    assert all(r.retryable and "give_up_after 3s" in r.error and "backed off for" in r.error for r in got), got
+    assert took < 20, took
+
+
 def test_a_timeout_is_retried(two_servers, proxy, reference):
     want = reference(PROMPTS[:4], max_tokens=4)
     proxy.plan("delay:30", 1)  # the first request hangs past the timeout; the retry is answered
