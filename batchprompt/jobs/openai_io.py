@@ -12,15 +12,16 @@ from .rows import CHAT, Row, RowError, echo_only
 FINISH = {"stop": "stop", "length": "length"}
 
 
-def failed_choice(choices: Sequence[Result], total: int | None = None) -> Result | None:
-    """The choice that fails its request, if one does (`total`: the request's choices, n times
-    its prompts, where `choices` are some of them). An output that `max_tokens` cut before it
-    completed its structured output is not one: as OpenAI and vLLM answer it, the partial text
-    is the answer, with finish_reason "length" (the endpoint, the Batch API and `batchprompt
-    run` alike). Nor, in a request of several choices, is an answer that breaks its schema
-    (invalid_output): the others are answered, and it carries its `error` beside its text
-    (choice_error); one bad answer of n=3 lost the two good ones."""
-    several = (len(choices) if total is None else total) > 1
+def failed_choice(choices: Sequence[Result], several: bool | None = None) -> Result | None:
+    """The choice that fails its request, if one does (`several`: whether the request asks for
+    several choices, n > 1 or a list of prompts, even of one; by default whether `choices` are
+    several). An output that `max_tokens` cut before it completed its structured output is not
+    one: as OpenAI and vLLM answer it, the partial text is the answer, with finish_reason
+    "length" (the endpoint, the Batch API and `batchprompt run` alike). Nor, in a request of
+    several choices, is an answer that breaks its schema (invalid_output): the others are
+    answered, and it carries its `error` beside its text (choice_error); one bad answer of n=3
+    lost the two good ones."""
+    several = len(choices) > 1 if several is None else several
     return next((c for c in choices if c.error is not None and c.finish_reason != "length"
                  and not (several and c.error.startswith(INVALID_OUTPUT))), None)
 

@@ -39,6 +39,14 @@ class Plan:
     prepared: list[Prepared]
     token_text: Callable[[int], str] | openai_io.TokenPieces  # how a token reads in log-probs
     decode: Callable[[list[int]], str] | None = None  # a choice's tokens as text (streaming)
+    listed: bool = False  # a completion's prompt given as a list of prompts, even of one
+
+    @property
+    def several(self) -> bool:
+        """Whether the request asks for several choices (n > 1, or a list of prompts, as a pool
+        sends a sub-batch of one): one whose answer breaks its schema then carries its error,
+        and the others are answered (openai_io.failed_choice)."""
+        return self.n > 1 or len(self.rows) > 1 or self.listed
 
 
 def plan_chat(body: dict, tokenizer, max_model_len: int, request_id: str | None = None) -> Plan:
@@ -71,7 +79,9 @@ def plan_completion(body: dict, tokenizer, max_model_len: int, request_id: str |
         rows.append(row)
         all_ids.append(_checked(ids, max_model_len, what, params.max_tokens, max_tokens_name(body),
                                 default=refusals.asked_max_tokens(body, params) is None))
-    return Plan(rid, rows, n, _choices(all_ids, params, n, spec), openai_io.TokenPieces.of(tokenizer), tokenizer.decode)
+    listed = isinstance(body.get("prompt"), list) and not all(isinstance(t, int) for t in body["prompt"])
+    return Plan(rid, rows, n, _choices(all_ids, params, n, spec), openai_io.TokenPieces.of(tokenizer), tokenizer.decode,
+                listed)
 
 
 def vocabulary_problem(plan: Plan, vocab_size: int) -> ApiError | None:

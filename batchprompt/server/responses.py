@@ -14,10 +14,10 @@ from .errors import ApiError, error_body
 from .requests import Plan
 
 
-def failure(results: Sequence[Result], body: dict | None = None) -> ApiError | None:
+def failure(results: Sequence[Result], body: dict | None = None, several: bool | None = None) -> ApiError | None:
     """The error to answer with, if a result failed (openai_io.failed_choice: an output cut by
-    max_tokens before it completed its structured output is not one)."""
-    failed = openai_io.failed_choice(results)
+    max_tokens before it completed its structured output is not one; `several`: Plan.several)."""
+    failed = openai_io.failed_choice(results, several)
     return None if failed is None else result_error(failed, body)
 
 

@@ -85,7 +85,7 @@ async def _complete(request: Request, schema, plan_fn, chat: bool):
         return StreamingResponse(waiting.events(state, batch, chunks), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     results = await waiting.results(request, state, batch)
-    failed = responses.failure(results, body)
+    failed = responses.failure(results, body, plan.several)
     if failed is not None:
         raise failed
     return responses.body(plan, results, model, created)

@@ -353,3 +353,17 @@ def test_a_wait_that_never_ends_or_is_no_number_is_refused(value):
     """give_up_after=nan compared false with everything, so the pool never gave up."""
     with pytest.raises(ValueError, match=r"give_up_after must be a finite number of seconds > 0"):
         bp.EndpointPool(["127.0.0.1:9"], give_up_after=value)
+
+
+def test_an_answer_that_breaks_its_schema_fails_alone_as_invalid_output_through_a_pool(two_servers):
+    """A sub-batch of one prompt (here each prompt its own request) was a request of one choice
+    to our server, which answered its bad JSON with a 400 or an error event: the pool's error
+    was the request's ("error in the stream: ..."), and a row's n > 1 lost its good samples. A
+    list of prompts, even of one, is answered choice by choice; the pool checks the text."""
+    from batchprompt.jobs import openai_io
+
+    with pool_of([two_servers[0].url], use_batch=False) as pool:
+        lm = bp.LanguageModel.create(model=pool, max_tokens=16)
+        got = lm.batch_prompt(["A date?", "Another date?"], json_schema={"const": "2023-02-29", "format": "date"})
+    for r in got:
+        assert r.text == '"2023-02-29"' and r.error.startswith(openai_io.INVALID_OUTPUT), r

@@ -264,6 +264,19 @@ def test_a_lone_surrogate_in_a_body_is_a_400_and_never_a_500(server, client):
             assert c.get("/v1/models").status_code == 200  # the same connection still answers
         assert c.get("/v1/batches").status_code == 200
     assert all(b.input_file_id != f.id for b in client.batches.list().data)
+    # A batch stored with one in a metadata key (as an earlier version took it) lists again.
+    import sqlite3
+
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    db = sqlite3.connect(server.log.parent / "data" / "meta.sqlite")
+    with db:
+        data = json.loads(db.execute("SELECT data FROM batches WHERE id = ?", (batch.id,)).fetchone()[0])
+        db.execute("UPDATE batches SET data = ? WHERE id = ?",
+                   (json.dumps(dict(data, metadata={"k\ud800": "v"})), batch.id))
+    db.close()
+    for path in ("/v1/batches", f"/v1/batches/{batch.id}"):
+        r = httpx.get(server.url + path, timeout=60)
+        assert r.status_code == 200 and '"k\\ud800":"v"' in r.text, r.text
 
 
 def test_upload_errors(server, client):

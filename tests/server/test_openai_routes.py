@@ -428,6 +428,10 @@ def test_of_several_choices_one_that_breaks_its_schema_carries_its_error_and_the
     assert finished[1]["error"]["code"] == "invalid_output", events
     for i, choice in enumerate(choices):
         assert "".join(ch["text"] for ch in streamed if ch["index"] == i) == choice["text"], events
+    # A list of one prompt (as a pool sends a sub-batch of one) is answered so too
+    with server.client() as c:
+        r = c.post("/v1/completions", json=dict(body, prompt=body["prompt"][1:]))
+    assert r.status_code == 200 and r.json()["choices"][0]["error"]["code"] == "invalid_output", r.text
     # n = 2 of a chat, both choices bad: each carries its error, through the openai client too
     out = server.openai().chat.completions.create(
         model="smollm2-135m", messages=[{"role": "user", "content": "A date?"}], max_tokens=16, n=2,
