@@ -653,12 +653,16 @@ class RemoteBackend(StopCounts):
             # it that refuses ids): the row failed for good while healthy endpoints were there.
             # Another endpoint that has not failed it is asked once (a prompt too long for every
             # server costs one more request).
-            if not w.refused and any(x.alive and x.index != e.index and x.index not in w.avoid
-                                     for x in self.endpoints):
-                w.refused = True
+            self._note_refusal(e, err)
+            if w.refused is None and any(x.alive and x.index != e.index and x.index not in w.avoid
+                                         for x in self.endpoints):
+                w.refused = err.message
                 self._requeue([w], e, err, delay=0.0, count=False)
                 return
-            self._finish_error(w, err.message)
+            # Both answers where they differ: which is the prompt's fault and which a proxy's own
+            # cannot be told (the one asked second hid the other's reason).
+            first = w.refused if w.refused is not None and w.refused != err.message else None
+            self._finish_error(w, err.message if first is None else f"{first}; asked again: {err.message}")
             return
         self._requeue([w], e, err, delay=backoff(self.pool.backoff_s, w.attempts + 1))
 
@@ -674,6 +678,15 @@ class RemoteBackend(StopCounts):
             log.warning("endpoint %s answered its last %d requests with an error of its own (%s): their prompts are "
                         "tried again (at most %d tries each, max_retries + 1, within %gs, give_up_after), then fail",
                         e.url, e.server_errors, err.message, self.pool.max_retries + 1, self.pool.give_up_after)
+
+    def _note_refusal(self, e: Endpoint, err: EndpointError) -> None:
+        """A warning once an endpoint has refused several lone prompts in a row with a 4xx (a
+        proxy that answers 404 to every POST): each is asked of another endpoint, but the
+        endpoint keeps its share of the work."""
+        e.refusals += 1
+        if e.refusals == SERVER_ERRORS_WARNED:
+            log.warning("endpoint %s refused its last %d prompts (%s): each is asked of another endpoint once. If it "
+                        "refuses every prompt, check its address (a proxy's route?)", e.url, e.refusals, err.message)
 
     def _note_fault(self, e: Endpoint, err: EndpointError) -> None:
         if not err.endpoint_fault:

@@ -64,6 +64,7 @@ class Endpoint:
         self.failures = 0  # consecutive endpoint faults
         self.timeout_warned = False  # a request of it got no answer within the timeout (said once)
         self.server_errors = 0  # consecutive 5xx answers (none succeeded since)
+        self.refusals = 0  # consecutive 4xx refusals of lone prompts (none succeeded since)
         self.backoff_until = 0.0
         self.max_model_len: int | None = None  # as the endpoint reports it (vLLM's model card)
         self.accepts_token_ids: bool | None = None  # None until a token-id prompt was answered or refused
@@ -197,7 +198,7 @@ class Endpoint:
         self._done_tokens += done_tokens
 
     def on_success(self) -> None:
-        self.failures = self.server_errors = 0
+        self.failures = self.server_errors = self.refusals = 0
         self.limit = min(float(self.max_in_flight), self.limit + 1.0 / max(self.limit, 1.0))
 
     def on_overload(self, retry_after: float | None, base_s: float, attempt: int | None = None) -> float:

@@ -32,7 +32,7 @@ class Work:
     failing_since: float | None = None  # time.monotonic() of its first failed try
     first_sent: float | None = None  # time.monotonic() its first try was sent (a failure's message)
     avoid: frozenset[int] = frozenset()  # the endpoints that failed it
-    refused: bool = False  # one endpoint refused it (a 4xx): another is asked once before it fails
+    refused: str | None = None  # one endpoint's refusal of it (a 4xx): another is asked once before it fails
     cap: int | None = None  # after a split: the most prompts its sub-batch may hold
     answered: bool = False
 

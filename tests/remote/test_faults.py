@@ -169,20 +169,28 @@ def test_one_bad_prompt_fails_alone(two_servers, reference):
     assert all(r.error is None for i, r in enumerate(got) if i != 5)
 
 
-def test_a_4xx_of_one_endpoint_is_asked_of_another_before_its_prompt_fails(two_servers, proxy, reference):
+def test_a_4xx_of_one_endpoint_is_asked_of_another_before_its_prompt_fails(two_servers, proxy, reference, caplog):
     """An endpoint answering 404 (a proxy's wrong route) or 422 to everything, beside a healthy
-    one: each prompt it refused failed for good (journaled in `run`). Another endpoint is asked
-    once; a 408 is the endpoint's being busy, as a 503."""
+    one: each prompt it refused failed for good (journaled in `run`), silently. Another endpoint
+    is asked once, and a prompt both refuse gives both answers (the second hid the first's
+    reason); three refusals in a row are a warning. A 408 is the endpoint's being busy."""
     want = reference(PROMPTS[:8], max_tokens=4)
     for fault in ("404", "422", "408"):
         proxy.clear()
         proxy.plan(fault, 1000)
-        with pool_of([two_servers[0].url, proxy.url], use_batch=False, backoff_s=0.05) as pool:
-            lm = bp.LanguageModel.create(model=pool, max_tokens=4)
-            got = lm.batch_prompt(PROMPTS[:8])
+        with caplog.at_level("WARNING", logger="batchprompt"):
+            with pool_of([two_servers[0].url, proxy.url], use_batch=False, backoff_s=0.05) as pool:
+                lm = bp.LanguageModel.create(model=pool, max_tokens=4)
+                got = lm.batch_prompt(PROMPTS[:8])
+                bad = lm.batch_prompt(PROMPTS[:4], logit_bias={999999: 5.0})  # refused by every server
         assert [r.error for r in got] == [None] * 8, (fault, got)
         assert [r.text for r in got] == want
         assert proxy.faults_done[fault] >= 1, fault
+        if fault != "408":
+            refused = [r.error for r in bad if f"HTTP {fault}" in r.error]
+            assert refused and all("outside the vocabulary" in r for r in refused), bad
+            assert f"{proxy.url}/v1/completions: HTTP {fault}" in caplog.text and "refused its last 3" in caplog.text
+        caplog.clear()
 
 
 def test_prompts_sent_as_ids_before_the_endpoint_was_known_to_refuse_them_go_again_as_text(proxy, reference,
