@@ -28,7 +28,7 @@ def check_ids(rows: list[Row | RowError], source: str) -> list[Row | RowError]:
         more = f" (and {len(dups) - SHOWN} more ids)" if len(dups) > SHOWN else ""
         raise InputError(f"{source}: duplicate custom_id: {named}{more}. Each custom_id (or id) must be unique, "
                          f"as OpenAI's Batch API requires, so that each result can be matched to its request")
-    return [_invalid(r) if isinstance(r, Row) and not _is_text(r.custom_id) else r for r in rows]
+    return [_invalid(r) if isinstance(r, Row) and not is_text(r.custom_id) else r for r in rows]
 
 
 def _automatic(cid: str, at: list[int]) -> str:
@@ -40,7 +40,8 @@ def _automatic(cid: str, at: list[int]) -> str:
     return ""
 
 
-def _is_text(s: str) -> bool:
+def is_text(s: str) -> bool:
+    """Whether `s` is Unicode text UTF-8 can write: no lone surrogate (JSON's "\\ud800")."""
     try:
         s.encode("utf-8")
         return True

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, NoReturn
 
+from .ids import is_text
 from .storage import StorageError
 
 
@@ -232,16 +233,8 @@ class Journal:
 def record_json(record: dict[str, Any]) -> str:
     """The record as JSON, readable UTF-8; escaped (\\ud800) where it holds a lone surrogate."""
     text = json.dumps(record, ensure_ascii=False)
-    return text if _is_utf8(text) else json.dumps(record, ensure_ascii=True)
+    return text if is_text(text) else json.dumps(record, ensure_ascii=True)
 
 
 def _text(s: str | None) -> str | None:
-    return s if s is None or _is_utf8(s) else s.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def _is_utf8(s: str) -> bool:
-    try:
-        s.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False
+    return s if s is None or is_text(s) else s.encode("utf-8", "backslashreplace").decode("utf-8")

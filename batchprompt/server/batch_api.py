@@ -15,12 +15,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..jobs.ids import is_text
 from ..jobs.storage import StorageError
 from . import batch_files
 from .batch_files import FILE_NAME
 from .batch_input import ENDPOINTS
 from .batch_job import BatchJob, Counts, state_detail
-from .batch_store import FINAL, Store, UnknownCursor, is_text
+from .batch_store import FINAL, Store, UnknownCursor
 from .data_dir import DataDir, DataDirError
 from .errors import ApiError
 

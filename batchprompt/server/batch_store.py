@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..jobs.ids import is_text
 from ..jobs.storage import StorageError
 
 FILE_COLUMNS = ("id", "filename", "purpose", "bytes", "created_at", "status", "batch_id", "kind", "expires_at")
@@ -216,12 +217,3 @@ def _server_storage_error(path: Path, e: sqlite3.Error) -> StorageError:
     error = StorageError.from_sqlite(path, e)
     error.then = "start the server again (finished requests do not run again)"
     return error
-
-
-def is_text(value: str) -> bool:
-    """Whether `value` is Unicode text that SQLite can take (no lone surrogate)."""
-    try:
-        value.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False
