@@ -95,7 +95,8 @@ async def events(state: ServerState, batch: Batch, chunks: Chunks) -> AsyncItera
                 # A failed choice, as an answer not streamed fails (openai_io.failed_choice): also the
                 # one choice of a request whose finished text broke its schema, which ended "stop"
                 # with no error before (of several, its finish chunk carries the error).
-                if result.finish_reason == "cancelled" or openai_io.failed_choice([result], chunks.plan.several) is not None:
+                failed = openai_io.failed_choice([result], chunks.plan.several)
+                if result.finish_reason == "cancelled" or failed is not None:
                     yield error_event(_stream_error(state, result, chunks.plan.rows[index // chunks.plan.n].body))
                     yield DONE
                     finished = True

@@ -132,7 +132,8 @@ class FaultProxy:
                     continue
                 if fault in ("500", "429", "503", "404", "408", "422", "429:30"):
                     status = int(fault.split(":")[0])
-                    extra = {"Retry-After": fault.split(":")[1] if ":" in fault else "0.2"} if status in (429, 503) else {}
+                    after = fault.split(":")[1] if ":" in fault else "0.2"
+                    extra = {"Retry-After": after} if status in (429, 503) else {}
                     await _write(writer, status, b'{"error": {"message": "injected fault", "type": "server_error", '
                                                  b'"param": null, "code": "injected"}}', extra)
                     continue
