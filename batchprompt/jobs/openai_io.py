@@ -23,7 +23,7 @@ def failed_choice(choices: Sequence[Result], several: bool | None = None) -> Res
     lost the two good ones."""
     several = len(choices) > 1 if several is None else several
     return next((c for c in choices if c.error is not None and c.finish_reason != "length"
-                 and not (several and c.error.startswith(INVALID_OUTPUT))), None)
+                 and not (several and choice_error(c))), None)
 
 
 def choice_error(r: Result) -> dict[str, Any] | None:

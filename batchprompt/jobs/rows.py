@@ -181,7 +181,6 @@ def read_input(path: str, column: str | None = None, stdin=None) -> Table:
     fmt = detect_format(path, raw)
     if fmt == "jsonl":
         _check_line_ends(raw, name)
-    if fmt == "jsonl":
         if column:
             raise InputError("--column applies to CSV and Parquet input, not JSONL")
         rows = read_jsonl(raw)

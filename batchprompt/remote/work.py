@@ -94,14 +94,13 @@ class WorkQueue:
 
     def take_expired(self, since_before: float) -> list[Work]:
         """Take out the works that have been failing since before `since_before` (time.monotonic())."""
-        out = []
-        for key, q in self._queues.items():
-            expired = [w for w in q if w.failing_since is not None and w.failing_since < since_before]
-            if expired:
-                q_left = [w for w in q if not (w.failing_since is not None and w.failing_since < since_before)]
-                q.clear()
-                q.extend(q_left)
-                out += expired
+        out: list[Work] = []
+        for q in self._queues.values():
+            kept: list[Work] = []
+            for w in q:
+                (out if w.failing_since is not None and w.failing_since < since_before else kept).append(w)
+            q.clear()
+            q.extend(kept)
         self.queued -= len(out)
         self.queued_tokens -= sum(w.tokens for w in out)
         return out
