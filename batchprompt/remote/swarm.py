@@ -16,6 +16,7 @@ send one /v1/chat/completions per prompt, as aurora does.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -92,7 +93,9 @@ class SwarmMethods:
     async def _one_chunk(self, backend, e, prompts: list[list[int]], params: SamplingParams) -> list[Response]:
         body = wire.completion_body(backend.model, prompts, params, self.structured)
         last: EndpointError | None = None
+        start, tries = time.monotonic(), 0
         for attempt in range(self.max_retries + 1):
+            tries += 1
             tokens = sum(len(p) + params.max_tokens for p in prompts)
             e.begin(tokens)
             try:
@@ -108,7 +111,7 @@ class SwarmMethods:
             e.end(tokens, tokens)
             e.counters.prompts += len(prompts)
             return [Response(True, samples[0].text, None, e.index) for samples in per]
-        return [Response(False, "", str(last), e.index) for _ in prompts]
+        return [Response(False, "", _gave_up(last, tries, start), e.index) for _ in prompts]
 
     # ---- one request per prompt (aurora's post / send_all / broadcast_prompt) ---------------------
     async def post(self, agent_index: int, prompt: str, max_tokens: int | None = None, **options: Any) -> Response:
@@ -143,7 +146,9 @@ class SwarmMethods:
             body["top_p"] = params.top_p
         last: EndpointError | None = None
         e = None
+        start, tries = time.monotonic(), 0
         for attempt in range(self.max_retries + 1):
+            tries += 1
             candidates = fixed or [x for x in backend.endpoints if x.alive] or backend.endpoints
             e = min(candidates, key=lambda x: (x.in_flight / x.weight, x.outstanding_tokens))
             cost = params.max_tokens
@@ -168,7 +173,7 @@ class SwarmMethods:
             e.end(cost, cost)
             e.counters.prompts += 1
             return Response(True, text, None, e.index)
-        return Response(False, "", str(last), None if e is None else e.index)
+        return Response(False, "", _gave_up(last, tries, start), None if e is None else e.index)
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _params(self, max_tokens: int | None, options: dict) -> SamplingParams:
@@ -179,6 +184,14 @@ class SwarmMethods:
         if not isinstance(agent_index, int) or not 0 <= agent_index < len(backend.endpoints):
             raise IndexError(f"agent_index must be from 0 to {len(backend.endpoints) - 1}, got {agent_index!r}")
         return backend.endpoints[agent_index]
+
+
+def _gave_up(last: EndpointError | None, tries: int, start: float) -> str:
+    """The last failure, and how many tries over how long it ended (a hanging endpoint's
+    `timeout` is each try's, not the whole wait's)."""
+    if tries <= 1:
+        return str(last)
+    return f"{last} (the last of {tries} tries over {time.monotonic() - start:.0f}s)"
 
 
 # ---- aurora_swarm's patterns ----------------------------------------------------------------------

@@ -2,6 +2,8 @@
 delays in front of one; a prompt one server refuses; a server killed (-9) mid-batch."""
 from __future__ import annotations
 
+import asyncio
+import re
 import signal
 import time
 
@@ -138,6 +140,21 @@ def test_an_endpoint_that_never_answers_is_named_and_its_prompts_fail_in_bounded
     assert time.monotonic() - t0 < 60  # a bound on waiting, not a speed figure
     assert all(r.retryable and r.error for r in got), got
     assert any("never answers?" in m and "no answer within 2s" in m for m in caplog.messages), caplog.messages
+
+
+def test_an_aurora_post_that_times_out_on_every_try_says_how_many_and_how_long(proxy):
+    """`post` and `post_batch` to a hanging endpoint took every try's timeout and its backoff
+    (33 s for timeout=5), and the error named only the 5 s of the last try."""
+    proxy.plan("delay:60", 10)
+
+    async def go(pool):
+        return await pool.post(0, "Name a color.", max_tokens=2), await pool.post_batch(0, ["Hi."], max_tokens=2)
+
+    with pool_of([proxy.url], timeout=1, backoff_s=0.05, max_retries=2) as pool:
+        one, (batched,) = asyncio.run(go(pool))
+    for r in (one, batched):
+        assert not r.success
+        assert re.search(r"no answer within 1s .*\(the last of 3 tries over [3-9]s\)", r.error), r.error
 
 
 def test_a_late_sub_batch_is_hedged_on_an_idle_endpoint(two_servers, proxy, reference):
