@@ -57,6 +57,8 @@ SHUT_DOWN_AT_EXIT = "the endpoint pool was shut down as the Python interpreter e
 #: never holds the end of a batch.
 HEDGE_AFTER = 1.25
 PROBE_MIN_S, PROBE_MAX_S = 0.5, 10.0
+#: The longest wait before an endpoint that keeps going down right after it is taken back is asked again.
+FLAP_MAX_S = 120.0
 SERVER_ERRORS_WARNED = 3  # 5xx answers in a row from one endpoint that make a warning
 
 
@@ -547,6 +549,9 @@ class RemoteBackend(StopCounts):
             twin.superseded = True  # this answer won: the other request is cancelled
             twin.task.cancel()
         prompt_tokens, cached, completion = wire.usage_of(usage)
+        if e.unproven and e.flaps:
+            log.warning("endpoint %s answers requests again: it gets work again", e.url)
+            e.flaps = 0
         e.on_success()
         if not text:
             e.accepts_token_ids = True
@@ -753,7 +758,15 @@ class RemoteBackend(StopCounts):
         self.loop.call_later(delay, later)
 
     def _mark_dead(self, e: Endpoint, reason: str, warn: bool = True) -> None:
-        if e.alive and warn:
+        flap = e.alive and e.unproven  # it answered GET /v1/models, then failed its requests again
+        if flap:
+            e.flaps += 1
+        if e.alive and warn and flap:  # said once, not each time its list answers and its requests fail
+            (log.warning if e.flaps == 1 else log.debug)(
+                "endpoint %s is down again (%s) with no request answered since its GET /v1/models answered: it "
+                "is taken back less and less often (up to every %.0fs) while its requests fail", e.url, reason,
+                FLAP_MAX_S)
+        elif e.alive and warn:
             if any(x.alive for x in self.endpoints if x is not e):
                 log.warning("endpoint %s is down (%s): its work goes to the others until it answers again",
                             e.url, reason)
@@ -767,17 +780,18 @@ class RemoteBackend(StopCounts):
             self._probes[e.index] = self.loop.create_task(self._probe(e))
 
     async def _probe(self, e: Endpoint) -> None:
-        """Ask a dead endpoint GET /v1/models until it answers with the model; then take it back."""
-        wait = PROBE_MIN_S
+        """Ask a dead endpoint GET /v1/models until it answers with the model; then take it back.
+        One that went down again before answering a request (`flaps`) is asked later each time."""
+        wait = PROBE_MIN_S if not e.flaps else min(FLAP_MAX_S, PROBE_MAX_S * 2 ** (e.flaps - 1))
         while not self._stopping and not e.alive:
             await asyncio.sleep(wait)
-            wait = min(PROBE_MAX_S, wait * 2)
+            wait = min(max(PROBE_MAX_S, wait), wait * 2)
             try:
                 data = await e.get_json("/v1/models", timeout=5.0)
             except EndpointError:
                 continue
             if self.model in served_models(data):
-                log.warning("endpoint %s answers again: it gets work again", e.url)
+                (log.warning if not e.flaps else log.debug)("endpoint %s answers again: it gets work again", e.url)
                 e.mark_alive()
                 self._kick()
 

@@ -66,6 +66,8 @@ class Endpoint:
         self.server_errors = 0  # consecutive 5xx answers (none succeeded since)
         self.refusals = 0  # consecutive 4xx refusals of lone prompts (none succeeded since)
         self.backoff_until = 0.0
+        self.unproven = False  # taken back on its GET /v1/models, and no request answered since
+        self.flaps = 0  # times it went down again while unproven (its list answers, its requests do not)
         self.max_model_len: int | None = None  # as the endpoint reports it (vLLM's model card)
         self.accepts_token_ids: bool | None = None  # None until a token-id prompt was answered or refused
         self.counters = EndpointCounters()
@@ -198,6 +200,7 @@ class Endpoint:
         self._done_tokens += done_tokens
 
     def on_success(self) -> None:
+        self.unproven = False
         self.failures = self.server_errors = self.refusals = 0
         self.limit = min(float(self.max_in_flight), self.limit + 1.0 / max(self.limit, 1.0))
 
@@ -221,6 +224,7 @@ class Endpoint:
     def mark_alive(self) -> None:
         if not self.alive:
             self.counters.revivals += 1
+            self.unproven = True
         self.alive, self.dead_reason, self.failures, self.backoff_until = True, None, 0, 0.0
         self.limit = max(self.limit, 1.0)
 

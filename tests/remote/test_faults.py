@@ -157,6 +157,22 @@ def test_an_aurora_post_that_times_out_on_every_try_says_how_many_and_how_long(p
         assert re.search(r"no answer within 1s .*\(the last of 3 tries over [3-9]s\)", r.error), r.error
 
 
+def test_an_endpoint_whose_models_answer_and_whose_requests_hang_is_named_once_not_at_each_return(proxy, caplog):
+    """Its GET /v1/models answered, so it was taken back each time (within a second), timed out
+    again and went down again: two warnings a cycle for as long as the run lasted."""
+    proxy.plan("delay:120", 10_000)  # every POST hangs; GET /v1/models is forwarded
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="batchprompt"), pool_of([proxy.url], timeout=1, backoff_s=0.05,
+                                                                   max_retries=100, give_up_after=15) as pool:
+        got = bp.LanguageModel.create(model=pool, max_tokens=2).batch_prompt(PROMPTS[:2])
+        stats = pool.endpoint_stats()
+    assert time.monotonic() - t0 < 90  # a bound on waiting, not a speed figure
+    assert all(r.retryable and r.error for r in got), got
+    about = [m for m in caplog.messages if proxy.url in m]
+    assert sum("is down again" in m for m in about) == 1, about
+    assert stats[0]["revivals"] >= 1 and len(about) <= 4, (stats, about)
+
+
 def test_a_late_sub_batch_is_hedged_on_an_idle_endpoint(two_servers, proxy, reference):
     """Nothing queued, one endpoint idle, a sub-batch late on the other: it is sent again to the
     idle one, the first answer wins and the late request is cancelled (no error, no retry)."""
