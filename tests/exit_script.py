@@ -32,3 +32,26 @@ def end_while_a_batch_runs(session: str, args: list[str], timeout: float) -> sub
             "for them") in p.stderr, p.stderr[-3000:]
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
     return p
+
+
+INTERRUPTED = """
+import os, signal, sys, threading
+import batchprompt as bp
+lm = bp.LanguageModel.create({session})
+print(bool(lm.prompt("hi", max_tokens=2)), flush=True)  # the backend is up
+threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+try:
+    lm.batch_prompt([f"Write a long story about a cat named {{i}}" for i in range(8)], max_tokens=400, min_tokens=400)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def interrupt_a_batch(session: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Ctrl-C inside `batch_prompt`, then the script ends: the batch was cancelled by the Ctrl-C,
+    so the exit must not speak of prompts left unfinished for want of a wait()."""
+    p = subprocess.run([sys.executable, "-c", INTERRUPTED.format(session=session), *args], capture_output=True,
+                       text=True, timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert p.returncode == 0 and "interrupted" in p.stdout, (p.returncode, p.stdout, p.stderr[-3000:])
+    assert "unfinished" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
+    return p

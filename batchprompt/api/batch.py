@@ -305,6 +305,8 @@ class Batch:
                 self._cancel_unstarted()
                 return None
             if self._cancelling is None and not self._done.is_set():
+                self._source.cancel_asked = True
+
                 def on_pending(item: Item) -> None:
                     item.on_done(RequestOutput("", item.token_ids, [], "", "abort"))
                 self._cancelling = self._service.cancel(self._source, on_pending)

@@ -404,7 +404,8 @@ class EngineService(StopCounts):
     def _answer_pending(self, commands: list, sources: list[Source], in_engine: list[tuple[Source, Item]],
                         discard: bool) -> int:
         """Fail the commands and answer every item with the stop's reason (`discard`: drop those in
-        the engine from it); returns how many prompts the items answered."""
+        the engine from it); returns how many prompts the items answered, those of batches whose
+        cancel was asked left out (a Ctrl-C's: the stop did not cut them short)."""
         for _, fut in commands:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(EngineStoppedError(self.stop_reason))
@@ -414,13 +415,13 @@ class EngineService(StopCounts):
             if discard:
                 self._discard(item.request_id)
             answer(item, stopped_output(item, self.stop_reason, self._shut_down))
-            prompts += item.prompts
+            prompts += item.prompts * (not source.cancel_asked)
         for source in sources:
             source.cancelled = True
             while source.items:
                 item = source.items.popleft()
                 answer(item, stopped_output(item, self.stop_reason, self._shut_down, ""))
-                prompts += item.prompts
+                prompts += item.prompts * (not source.cancel_asked)
         return prompts
 
     def _discard(self, rid: str) -> None:

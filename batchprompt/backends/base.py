@@ -64,6 +64,9 @@ class Source:
     items: deque[Item] = field(default_factory=deque)
     in_engine: dict[str, Item] = field(default_factory=dict)
     cancelled: bool = False
+    #: Its caller asked for a cancel (set on the caller's thread, before the backend runs it): a
+    #: stop that finds its items still pending does not count them as cut short by the stop.
+    cancel_asked: bool = False
     priority: int = INTERACTIVE
     #: Tokens its items still in the engine have made so far (a batch's live progress), where
     #: the backend can tell (the local engine, counted about every second); 0 elsewhere.

@@ -575,13 +575,13 @@ class RayBackend(StopCounts):
         for block in running + retry:
             for item in block.items:
                 block.source.in_engine.pop(item.request_id, None)
-                self._cut_short += shut_down * item.prompts
+                self._cut_short += shut_down * (not block.source.cancel_asked) * item.prompts
                 answer(item, stopped_output(item, self.stop_reason, shut_down))
         for source in sources:
             source.cancelled = True
             while source.items:
                 item = source.items.popleft()
-                self._cut_short += shut_down * item.prompts
+                self._cut_short += shut_down * (not source.cancel_asked) * item.prompts
                 answer(item, stopped_output(item, self.stop_reason, shut_down))
         for s in self._slots if _ray_up() else ():  # Ray shut down under us: the actors went with it
             try:

@@ -808,7 +808,7 @@ class RemoteBackend(StopCounts):
         if out.finish_reason != "abort":
             self._stats.finished += 1
             self._stats.failed += out.error is not None
-        elif self._stopping and self._shut_down:  # cut short by the stop (in flight, or not sent yet)
+        elif self._stopping and self._shut_down and not w.source.cancel_asked:  # cut short by the stop
             self._cut_short += w.item.prompts
         answer(w.item, out)
 

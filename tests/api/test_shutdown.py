@@ -186,6 +186,14 @@ def test_a_script_that_ends_while_its_batch_runs_exits_cleanly(tmp_path):
     assert "the script ended with 8 prompts unfinished: cancelled" in proc.stderr, proc.stderr[-2000:]
 
 
+def test_a_ctrl_c_in_batch_prompt_then_the_end_of_the_script_is_no_forgotten_wait():
+    """The Ctrl-C cancelled the batch, and the exit that followed said "the script ended with 8
+    prompts unfinished ... Call wait() on a batch": the cancel had not yet run when the engine stopped."""
+    from tests.exit_script import interrupt_a_batch
+
+    interrupt_a_batch("max_tokens=8", [], timeout=300)
+
+
 def test_a_script_that_ends_while_its_batch_runs_says_so_and_runs_no_callback_of_the_cut_results(tmp_path):
     """The exit spent its 10 s on the cancelled results' callbacks (a slow on_result ran for 10
     of 16 of them, each told 'cancelled'), dropped the rest and on_complete without a word,

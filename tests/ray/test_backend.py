@@ -254,6 +254,13 @@ def test_a_script_that_ends_while_its_batch_runs_on_ray_says_so(local_ray):
     assert "Started a local Ray instance" not in p.stderr, p.stderr[-3000:]
 
 
+def test_a_ctrl_c_in_batch_prompt_on_ray_is_no_forgotten_wait_at_exit(local_ray):
+    from tests.exit_script import interrupt_a_batch
+
+    interrupt_a_batch("cluster=bp.RayCluster(address=sys.argv[1], replicas=1, replica_cpus=0.5, threads=1)",
+                      [local_ray], timeout=600)
+
+
 RAY_SHUT_DOWN_MID_BATCH = """
 import sys, time
 import ray

@@ -181,6 +181,13 @@ def test_a_script_that_ends_while_its_batch_runs_on_a_pool_says_so(two_servers):
     end_while_a_batch_runs("model=bp.EndpointPool(sys.argv[1:])", [s.url for s in two_servers], timeout=300)
 
 
+def test_a_ctrl_c_in_batch_prompt_on_a_pool_is_no_forgotten_wait_at_exit(two_servers):
+    """The exit after a Ctrl-C inside batch_prompt spoke of 8 prompts unfinished, "Call wait()"."""
+    from tests.exit_script import interrupt_a_batch
+
+    interrupt_a_batch("model=bp.EndpointPool(sys.argv[1:])", [s.url for s in two_servers], timeout=300)
+
+
 def test_structured_output_goes_to_the_servers(two_servers, reference):
     with pool_of([s.url for s in two_servers]) as pool:
         lm = bp.LanguageModel.create(model=pool)
