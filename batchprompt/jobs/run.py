@@ -592,6 +592,7 @@ class JobRun:
             self.say(f"{what} ready in {self._loaded_in:.1f}s; {len(todo)} rows to run")
             self._check_choices_option(todo, service)
             self._check_system_option(todo, service)
+            self._note_greedy_samples(todo)
         for r in table.rows:  # unreadable rows are answered now
             if isinstance(r, RowError) and r.line not in done:
                 journal.record(r.line, r.custom_id, False, openai_io.row_error_line(r, journal.job_id))
@@ -641,6 +642,21 @@ class JobRun:
                                  service.max_model_len)
         except ValueError as e:
             raise InputError(f"--{str(e).replace('max_tokens', '--max-tokens')}") from None
+
+    def _note_greedy_samples(self, todo: list[Row]) -> None:
+        """Rows that ask for n > 1 choices and take the greedy default: a file written for OpenAI
+        (which samples at 1.0 by default) got n copies of one text, and nothing said why."""
+        if self.opts.temperature != 0:
+            return
+        rows = [r for r in todo if isinstance(r.body.get("n"), int) and r.body["n"] > 1
+                and r.body.get("temperature") is None]
+        if rows:
+            one = len(rows) == 1
+            where = f"line {rows[0].line}" if one else f"the first on line {rows[0].line}"
+            self.say(f"note: {_n_rows(len(rows))} ({where}) {'asks' if one else 'ask'} for n > 1 choices with no "
+                     f"temperature: greedy, this command's default, makes each choice the same text. For n "
+                     f"different samples give {'the row' if one else 'those rows'} a temperature, or --temperature 1 "
+                     f"(OpenAI's default).")
 
     def _check_system_option(self, todo: list[Row], service: Backend) -> None:
         """--system longer than the context is a bad option, refused before any row is journaled

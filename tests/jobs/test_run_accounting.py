@@ -168,3 +168,23 @@ def test_of_a_rows_n_choices_one_that_breaks_its_schema_carries_its_error_and_th
     broken = Result(1, "", "error", error="the model failed on this step: RuntimeError: boom")
     line = openai_io.answer(row, [good, broken], "m", 0, None).record
     assert line["error"]["code"] == "engine_error", line
+
+
+def test_rows_asking_for_n_choices_with_the_greedy_default_are_told_why_they_repeat():
+    """A file written for OpenAI (which samples at 1.0 by default) with n = 2 got two copies of
+    one text from `run`'s greedy default, and nothing said why."""
+    from batchprompt.jobs.rows import CHAT, Row
+
+    def rows(**body):
+        return [Row(i + 1, f"r{i}", CHAT, messages=[{"role": "user", "content": "p?"}], body=dict(body))
+                for i in range(2)]
+
+    said = io.StringIO()
+    JobRun(JobOptions("in", "out"), said)._note_greedy_samples(rows(n=1) + rows(n=3)[1:] + rows(n=2))
+    assert "note: 3 rows (the first on line 2) ask for n > 1 choices with no temperature" in said.getvalue(), said
+    assert "--temperature 1" in said.getvalue()
+    for opts, todo in ((JobOptions("in", "out", temperature=1.0), rows(n=2)),
+                       (JobOptions("in", "out"), rows(n=2, temperature=0.0) + rows(n=1))):
+        quiet = io.StringIO()
+        JobRun(opts, quiet)._note_greedy_samples(todo)
+        assert quiet.getvalue() == "", quiet.getvalue()
