@@ -25,7 +25,9 @@ CLIENT_GONE = 499  # nginx's "client closed request": what the metrics count it 
 class BatchRequest(StrictBody):
     """/v1/batch/sync and /async: prompts, a shared system prompt, the batch API's options."""
 
-    prompts: list[str | list[dict[str, Any]]]
+    #: Each a string or a list of chat messages; an item of another type is that item's error
+    #: (as in the Python API), not the whole request's: one null from a bad cell lost every prompt.
+    prompts: list[Any]
     system: str | None = None
     model: str | None = None
     callback_url: str | None = None

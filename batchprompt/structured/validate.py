@@ -37,6 +37,19 @@ def endless(matcher) -> bool:
     return "Too many items" in matcher.get_error()
 
 
+#: A grammar whose one match is the empty text (`a{0}`, a GBNF `root ::= ` cut short).
+ONLY_EMPTY = "only the empty text matches it: every answer would be empty; give it something to match"
+
+
+def only_empty(matcher) -> bool:
+    """Whether the end is all that `matcher` allows from its start: every answer was "" with
+    finish_reason "stop", as if the model had answered."""
+    import numpy as np
+
+    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little")
+    return not matcher.is_error() and matcher.is_accepting() and np.flatnonzero(bits).tolist() == [_Bytes.eos_token_id]
+
+
 def is_no_match(reason: str) -> bool:
     """llguidance's reason for a dead end where no byte can follow ('NoExtension...')."""
     return reason.startswith("NoExtension")
@@ -61,6 +74,8 @@ def _problem(grammar: Grammar) -> str | None:
         return f"the grammar engine rejected it: {matcher.get_error().strip()}"
     if endless(matcher.deep_copy()):
         return ENDLESS
+    if only_empty(matcher.deep_copy()):
+        return ONLY_EMPTY
     reason = dead_end(matcher) or _first_bytes_problem(matcher)
     if reason is None:
         return None

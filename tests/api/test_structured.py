@@ -233,6 +233,7 @@ def test_a_rejected_schema_fails_its_call_before_any_work(lm, messages):
     ({"regex": "(unclosed"}, "(?s)bad regex .*unclosed group"),
     ({"regex": r"[^\s\S]"}, "bad regex .*no text can match it"),
     ({"regex": r"(spam|ham)[^\s\S]"}, "bad regex .*no text can match it"),
+    ({"regex": "a{0}"}, "bad regex .*only the empty text matches it"),
     ({"json_schema": '{"type": "frobnicate"}'}, "bad json_schema .*Invalid type: frobnicate"),
     ({"json_schema": {"type": "frobnicate"}}, "bad json_schema .*Invalid type: frobnicate"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": {"type": "strin"}}}},

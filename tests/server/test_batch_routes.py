@@ -66,20 +66,24 @@ def receiver():
 
 
 def test_sync_results_in_input_order_with_item_errors(server):
-    # Prompts of growing length: each result's prompt_tokens shows which prompt it answers.
-    prompts = ["Hi", "Hi " * 8, [{"role": "wizard", "content": "x"}], "Hi " * 20]
+    # Prompts of growing length: each result's prompt_tokens shows which prompt it answers. A
+    # null or a number (a bad cell) is its item's error: it was a 422 that refused every prompt.
+    prompts = ["Hi", "Hi " * 8, [{"role": "wizard", "content": "x"}], None, "Hi " * 20, 7]
     with server.client() as c:
         r = c.post("/v1/batch/sync", json={"prompts": prompts, "system": "Be brief.", "max_tokens": 4})
     assert r.status_code == 200, r.text
     out = r.json()
     results = out["results"]
-    assert [x["index"] for x in results] == [0, 1, 2, 3]
+    assert [x["index"] for x in results] == [0, 1, 2, 3, 4, 5]
     assert results[2]["finish_reason"] == "error" and "unknown role 'wizard'" in results[2]["error"]
-    ok = [results[i] for i in (0, 1, 3)]
+    for i, got in ((3, "NoneType: None"), (5, "int: 7")):
+        assert results[i]["finish_reason"] == "error", results[i]
+        assert "a prompt is a string or a list of chat messages, got " + got in results[i]["error"], results[i]
+    ok = [results[i] for i in (0, 1, 4)]
     assert all(x["error"] is None and x["text"] for x in ok)
     lengths = [x["usage"]["prompt_tokens"] for x in ok]
     assert lengths == sorted(lengths) and len(set(lengths)) == 3
-    assert out["progress"]["done"] == out["progress"]["total"] == 4 and out["progress"]["failed"] == 1
+    assert out["progress"]["done"] == out["progress"]["total"] == 6 and out["progress"]["failed"] == 3
 
 
 def test_sync_refuses_a_huge_prompt_by_its_length(server):

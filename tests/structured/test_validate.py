@@ -16,6 +16,10 @@ from batchprompt.structured.validate import grammar_problem
     (Grammar.lark("start: missing_rule"), "missing_rule"),
     (Grammar.regex(r"[^\s\S]"), "no text can match it"),
     (Grammar.regex(r"(spam|ham)[^\s\S]"), "no text can match it"),
+    # Only the empty text: every answer was "" with finish_reason "stop", as if the model had answered.
+    (Grammar.regex("a{0}"), "only the empty text matches it"),
+    (Grammar.lark("root ::= "), "only the empty text matches it"),
+    (Grammar.lark('root ::= ""'), "only the empty text matches it"),
     (Grammar.json_schema({"type": "object", "properties": {"a": {"type": "string", "pattern": r"[^\s\S]"}},
                           "required": ["a"]}), "unsatisfiable"),
     # GBNF naming a rule it does not define: llguidance's converter raises a plain Exception, which
@@ -36,7 +40,7 @@ def test_problems_are_found_without_a_tokenizer(grammar, message):
 
 @pytest.mark.parametrize("grammar", [
     Grammar.regex(r"(spam|ham) \([0-9]{1,2}%\)"),
-    Grammar.regex("a{0}"),  # matches only the empty text: an answer all the same
+    Grammar.regex("a?"),  # the empty text among others
     Grammar.regex("a{100000}"),  # large, within the lexer's limits
     # GBNF's \u and \U escapes, which llguidance's converter turned into \ue9 (a lexer error): refused
     Grammar.lark('root ::= "\\u00e9" [\\u00e0-\\u00ff]+ "\\U0001F600"'),
