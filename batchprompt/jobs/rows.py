@@ -136,7 +136,7 @@ def detect_format(path: str, raw: bytes | None = None) -> str:
                      f"standard input as -")
 
 
-def _check_wide_encoding(raw: bytes, name: str) -> None:
+def check_wide_encoding(raw: bytes, name: str) -> None:
     """A text file that no reader here can read, named for what it is: UTF-16 (what Windows
     PowerShell's `>` writes) or UTF-32 failed as "no line is JSON ... write a CSV"."""
     head = raw[:4096]
@@ -146,11 +146,11 @@ def _check_wide_encoding(raw: bytes, name: str) -> None:
         wide = "UTF-16"
     if wide is not None:
         shown = " (as Windows PowerShell's > writes)" if wide == "UTF-16" else ""
-        raise InputError(f"{name}: the file is {wide}{shown}, not UTF-8: save it as UTF-8 (PowerShell: "
+        raise InputError(f"{name} is {wide}{shown}, not UTF-8: save it as UTF-8 (PowerShell: "
                          f"Set-Content -Encoding utf8; or iconv -f {wide} -t UTF-8)")
 
 
-def _check_line_ends(raw: bytes, name: str) -> None:
+def check_line_ends(raw: bytes, name: str) -> None:
     """JSON lines that end with CR alone read as one line (a CSV reader takes CR as a line end)."""
     if b"\r" in raw and b"\n" not in raw:
         raise InputError(f"{name}: its lines end with a carriage return alone (CR, old Mac line endings), which "
@@ -177,10 +177,10 @@ def read_input(path: str, column: str | None = None, stdin=None) -> Table:
             raise InputError(f"{path}: cannot read it ({e.strerror})") from None
     name = "standard input (-)" if path == "-" else path
     if Path(path).suffix.lower() not in PARQUET_SUFFIXES:  # a UTF-16 file without a suffix too
-        _check_wide_encoding(raw, name)
+        check_wide_encoding(raw, name)
     fmt = detect_format(path, raw)
     if fmt == "jsonl":
-        _check_line_ends(raw, name)
+        check_line_ends(raw, name)
         if column:
             raise InputError("--column applies to CSV and Parquet input, not JSONL")
         rows = read_jsonl(raw)

@@ -14,7 +14,7 @@ from typing import Any, Iterable
 from ..jobs import rows as job_rows
 from ..jobs.bodies import ENDPOINT_BODIES, type_problem, whole_numbers
 from ..jobs.ids import check_ids
-from ..jobs.rows import CHAT, COMPLETION, Row, RowError
+from ..jobs.rows import CHAT, COMPLETION, InputError, Row, RowError
 
 ENDPOINTS = (CHAT, COMPLETION)
 MAX_ERRORS = 100  # lines named in a failed batch's errors (then one line says how many more)
@@ -45,6 +45,12 @@ def check_input(raw: bytes, endpoint: str, model_id: str, model_names: Iterable[
         if len(out.errors) < MAX_ERRORS:
             out.errors.append({"code": code, "line": n, "message": message, "param": param})
 
+    try:  # named for what it is, as `batchprompt run` names it (it was "line 1: not valid JSON (Extra data ...)")
+        job_rows.check_wide_encoding(raw, "the file")
+        job_rows.check_line_ends(raw, "the file")
+    except InputError as e:
+        fail(None, "invalid_file", str(e))
+        return out
     for n, chunk in enumerate(raw.split(b"\n"), 1):
         if n == 1 and chunk.startswith(BOM):  # a UTF-8 byte-order mark, as some editors write
             chunk = chunk[len(BOM):]

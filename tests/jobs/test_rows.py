@@ -451,19 +451,19 @@ def test_a_utf16_input_is_named_as_such(tmp_path, encoding):
     """What Windows PowerShell's > writes: it failed as "no line is JSON ... write a CSV"."""
     p = tmp_path / "in.jsonl"
     p.write_bytes('{"prompt": "hi"}\n'.encode(encoding))
-    with pytest.raises(InputError, match="in.jsonl: the file is UTF-16.*save it as UTF-8"):
+    with pytest.raises(InputError, match="in.jsonl is UTF-16.*save it as UTF-8"):
         read_input(str(p))
     c = tmp_path / "in.csv"
     c.write_bytes("text\nhi\n".encode(encoding))
-    with pytest.raises(InputError, match="the file is UTF-16"):
+    with pytest.raises(InputError, match=" is UTF-16 .*not UTF-8"):
         read_input(str(c), "text")
     bare = tmp_path / "requests"  # no suffix: it was "unknown input format"
     bare.write_bytes('{"prompt": "hi"}\n'.encode(encoding))
-    with pytest.raises(InputError, match="the file is UTF-16"):
+    with pytest.raises(InputError, match=" is UTF-16 .*not UTF-8"):
         read_input(str(bare))
     wide = tmp_path / "in32.jsonl"  # UTF-32 was named UTF-16, with an iconv hint that garbled it
     wide.write_bytes('{"prompt": "hi"}\n'.encode("utf-32"))
-    with pytest.raises(InputError, match="the file is UTF-32, not UTF-8.*iconv -f UTF-32"):
+    with pytest.raises(InputError, match=" is UTF-32, not UTF-8.*iconv -f UTF-32"):
         read_input(str(wide))
 
 

@@ -96,6 +96,18 @@ def test_an_empty_file_is_an_error():
     assert [e["code"] for e in check("", " ").errors] == ["empty_file"]
 
 
+@pytest.mark.parametrize("raw, message", [
+    # It was "line 1: not valid JSON (Extra data at column 118)", and nothing said why.
+    ("\r".join([line("a"), line("b")]).encode(), "the file: its lines end with a carriage return alone"),
+    # It was "line 1: not valid UTF-8 (byte 1 of the line)", and a "line 2: not valid JSON".
+    ((line("a") + "\n").encode("utf-16"), "the file is UTF-16 (as Windows PowerShell's > writes), not UTF-8"),
+])
+def test_a_file_of_cr_line_ends_or_utf16_is_named_for_what_it_is_as_run_names_it(raw, message):
+    got = check_input(raw, CHAT, "m", {"m"})
+    assert [e["code"] for e in got.errors] == ["invalid_file"] and message in got.errors[0]["message"], got.errors
+    assert check_input((line("a") + "\r\n" + line("b")).encode(), CHAT, "m", {"m"}).ok  # CRLF is fine
+
+
 def test_an_id_that_is_not_valid_text_is_its_rows_error():
     got = check(line("a"), '{"custom_id": "\\ud800", "url": "/v1/chat/completions", "body": {"messages": '
                            '[{"role": "user", "content": "x"}]}}')
