@@ -226,13 +226,17 @@ def _byte_level_table() -> dict[str, int]:
     return {c: b for b, c in bytes_to_unicode().items()}
 
 
+class InvalidText(ValueError):
+    """A text that is not valid Unicode (a lone surrogate): the request's fault."""
+
+
 def _check_unicode(text: str) -> None:
     """A lone surrogate (JSON's "\\ud800" without its pair) is not text the tokenizer can
     encode: say so, rather than the tokenizer's own TypeError."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"the text holds a lone surrogate {text[e.start]!r}, which is not valid Unicode (a "
+        raise InvalidText(f"the text holds a lone surrogate {text[e.start]!r}, which is not valid Unicode (a "
                          f"character cut in half?): pair it or remove it") from None
     except AttributeError:  # not a str: the tokenizer says what it takes
         pass

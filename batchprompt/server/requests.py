@@ -20,6 +20,7 @@ from ..jobs import openai_io, refusals
 from ..jobs.rows import CHAT, COMPLETION, Row, RowError, max_tokens_name
 from ..engine.samples import prompt_ids_problem, sampling_problem
 from ..jobs.run import JobOptions, render, row_params, row_spec
+from ..models.tokenizer import InvalidText
 from .errors import ApiError
 
 #: OpenAI's and vLLM's defaults where a body gives none (`batchprompt run` and the batch API
@@ -190,6 +191,10 @@ def _render(row: Row, tokenizer, max_model_len: int, what: str = "") -> list[int
         return render(row, tokenizer, None, max_model_len, what)
     except refusals.Refused as e:  # too long by its length alone
         raise ApiError(400, str(e), e.code, e.param) from None
+    except InvalidText as e:  # it said "the prompt cannot be rendered: ValueError: ...", with no param
+        chat = row.url == CHAT
+        raise ApiError(400, f"{what or ('the messages' if chat else 'the prompt')}: {e}", "invalid_prompt",
+                       "messages" if chat else "prompt") from None
     except Exception as e:  # noqa: BLE001  (a chat template that raises on these messages)
         raise ApiError(400, f"the prompt cannot be rendered: {type(e).__name__}: {e}", "invalid_prompt") from None
 

@@ -75,6 +75,16 @@ def test_an_over_long_completion_prompt_names_prompt(tokenizer):
     assert e.value.message.startswith("prompt 1 has 9001 tokens")
 
 
+def test_a_lone_surrogate_names_the_field_not_a_python_class(tokenizer):
+    """It said "the prompt cannot be rendered: ValueError: the text holds ...", with no param."""
+    for plan, body, param in ((plan_chat, {"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages"),
+                              (plan_completion, {"prompt": "a\ud800b"}, "prompt")):
+        with pytest.raises(ApiError) as e:
+            plan(body, tokenizer, 8192)
+        assert (e.value.status, e.value.code, e.value.param) == (400, "invalid_prompt", param), e.value.message
+        assert "ValueError" not in e.value.message and "holds a lone surrogate '\\ud800'" in e.value.message
+
+
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
 def test_max_tokens_beyond_the_context_names_the_field_given(tokenizer, field):
     """max_completion_tokens too large was refused as "max_tokens 100000" with param max_tokens."""
