@@ -102,6 +102,7 @@ def vocabulary_problem(plan: Plan, vocab_size: int) -> ApiError | None:
 def plan_row(row: Row, tokenizer, max_model_len: int) -> list[Prepared]:
     """A Batch API request's prepared choices (indices 0 to n-1), planned as its endpoint
     plans the same body, with the same defaults; ApiError says why it cannot run."""
+    _name_unknown_fields(row)  # a Batch API row's too (they went unsaid)
     row = replace(row, body=refuse_unsupported(row.body))
     # Unset max_tokens: as the endpoints (chat: the rest of the context; completions: 16).
     opts = JobOptions(input="-", output="-", max_tokens=max_model_len if row.url == CHAT else COMPLETION_MAX_TOKENS,
@@ -164,12 +165,17 @@ def _row(url: str, body: dict, rid: str) -> Row:
     if isinstance(row, RowError):
         message = row.message.removeprefix("line 1: ")
         raise ApiError(400, message, row.code, row.param or refusals.param_named(message, body))
+    _name_unknown_fields(row)
+    return row
+
+
+def _name_unknown_fields(row: Row) -> None:
+    """Ignored as vLLM ignores them, and named as it names them (here once each, not per request)."""
     new = sorted(set(row.unknown_fields) - _unknown_logged)
-    if new:  # ignored as vLLM ignores them, and named as it names them (here once each, not per request)
+    if new:
         _unknown_logged.update(new)
         log.warning("requests name fields that are neither used nor OpenAI/vLLM request fields; they are "
                     "ignored: %s (each is named once)", ", ".join(new))
-    return row
 
 
 def _params(row: Row, opts: JobOptions, tokenizer, max_model_len: int):

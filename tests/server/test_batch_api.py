@@ -95,6 +95,17 @@ def test_a_batch_whose_every_request_is_refused_ends(client):
     assert batch.output_file_id is None  # as OpenAI: no output file when every request failed
 
 
+def test_a_rows_unknown_fields_are_ignored_and_named_once_in_the_log(server, client):
+    """As the endpoints name them (and vLLM): a Batch API row's went unsaid."""
+    lines = [chat_line(f"u{i}", "hi", max_tokens=1, zz_row_field_b=1, zz_row_field_a=2) for i in range(3)]
+    batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    batch = wait_ended(client, batch.id, timeout=60)
+    assert batch.status == "completed" and batch.request_counts.completed == 3, batch
+    log = server.output()
+    assert log.count("ignored: zz_row_field_a, zz_row_field_b (each is named once)") == 1, log[-3000:]
+
+
 def test_an_empty_output_or_error_file_is_not_named(client):
     """As OpenAI: a batch with no failed request has error_file_id null (it named an empty file,
     which then stayed in the file list); the empty file is gone, not only unnamed."""
