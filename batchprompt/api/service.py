@@ -18,6 +18,7 @@ the reason, the service leaves the registry, and the next caller gets a fresh en
 from __future__ import annotations
 
 import atexit
+import ctypes
 import dataclasses
 import gc
 import itertools
@@ -546,6 +547,20 @@ def _free_memory() -> None:
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+    _trim_heap()
+
+
+def _trim_heap() -> None:
+    """Give the freed heap back to the system. glibc keeps what a dropped engine freed (its
+    weights and cache come from the heap once a large block was freed), so each engine built
+    again in one process (after bp.shutdown(), or another model) added about 0.9 GB of RSS that
+    the process never gave back. A no-op where the C library has no malloc_trim (musl, macOS)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 # ---- one service per model in a process ---------------------------------------------------------
