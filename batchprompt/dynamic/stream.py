@@ -10,8 +10,9 @@ So does an error of the iterable itself, after the results of every item taken b
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import threading
 from collections import deque
-from itertools import islice
 from typing import Any, AsyncIterable, AsyncIterator, Iterable, Iterator
 
 from .errors import QueueFull
@@ -32,69 +33,164 @@ def in_flight_limit(processor, max_in_flight: int) -> tuple[int, int]:
 
 def imap(processor, items: Iterable, max_in_flight: int, priority: int) -> Iterator:
     max_in_flight, chunk = in_flight_limit(processor, max_in_flight)
-    source = iter(items)
-    pending: deque = deque()  # groups, oldest first
-    in_flight = 0  # items taken from `source` and not yet yielded
-    exhausted = False
-    failed: Exception | None = None  # the iterable's own error, raised after what it gave before
+    feed = _Feed(processor, iter(items), max_in_flight, chunk, priority)
     try:
         while True:
-            while not exhausted and in_flight < max_in_flight:
-                part, failed = _take(source, min(chunk, max_in_flight - in_flight))
-                if part:
-                    pending.append(processor.submit(part, priority, solo=True))  # waited on oldest first
-                    in_flight += len(part)
-                if not part or failed is not None:
-                    exhausted = True
-                    break
-            if not pending:
-                if failed is not None:
-                    raise failed
+            group = feed.oldest()
+            if group is None:  # the iterable ended (or failed) and everything taken is yielded
+                if feed.failed is not None:
+                    raise feed.failed
                 return
-            group = pending[0]
             group.wait()
-            pending.popleft()
             results = group.results
-            in_flight -= len(results)
+            feed.yielded(len(results))
             for r in results:
                 yield value(r)
     finally:  # left early (an error, Ctrl-C, a break): what is still queued would run for nobody
+        feed.stop()
+
+
+class _Feed:
+    """Takes the items from the iterable on a thread of its own, as multiprocessing's imap does:
+    taken on the consumer's thread, an item's result waited until the next items came, so an
+    iterable that waits for a result (a crawler fed by what it finds) waited for ever, and a slow
+    one held back every result already done. The items taken are queued in chunks of up to
+    `chunk`; whatever has been taken is queued whenever the consumer would otherwise wait."""
+
+    def __init__(self, processor, source: Iterator, max_in_flight: int, chunk: int, priority: int):
+        self._processor, self._source, self._priority = processor, source, priority
+        self._max, self._chunk = max_in_flight, chunk
+        self._cond = threading.Condition()
+        self._part: list = []  # taken and not queued yet
+        self._pending: deque = deque()  # queued groups, oldest first
+        self._in_flight = 0  # taken and not yet yielded
+        self._ended = self._stopped = False
+        self.failed: Exception | None = None  # the iterable's own error, raised after what it gave before
+        # In the caller's context (its contextvars), as the iterable would have run there.
+        self._thread = threading.Thread(target=contextvars.copy_context().run, args=(self._run,),
+                                        name="batchprompt-imap-feed", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        reserved = False  # a place in max_in_flight taken for the next item
+        try:
+            while True:
+                with self._cond:
+                    while self._in_flight >= self._max and not self._stopped:
+                        self._cond.wait()
+                    if self._stopped:
+                        return
+                    self._in_flight += 1
+                    reserved = True
+                try:
+                    item = next(self._source)
+                except StopIteration:
+                    return
+                except Exception as e:  # noqa: BLE001  (handed back: raised once the items before it are yielded)
+                    self.failed = e
+                    return
+                with self._cond:
+                    if self._stopped:
+                        return
+                    self._part.append(item)
+                    reserved = False
+                    if len(self._part) >= self._chunk:
+                        self._queue()
+                        self._cond.notify_all()
+                    elif len(self._part) == 1:  # the consumer may wait for a first item
+                        self._cond.notify_all()
+        finally:
+            with self._cond:
+                self._ended = True
+                self._in_flight -= reserved
+                self._cond.notify_all()
+
+    def _queue(self) -> None:
+        """Queue what has been taken as one group (under the lock: groups stay in input order)."""
+        part, self._part = self._part, []
+        self._pending.append(self._processor.submit(part, self._priority, solo=True))
+
+    def oldest(self):
+        """The oldest group queued (what has been taken is queued first), waiting for the feed
+        to take an item while there is none; None once the iterable is done and all is yielded."""
+        with self._cond:
+            while True:
+                if self._part:
+                    self._queue()
+                if self._pending:
+                    return self._pending[0]
+                if self._ended:
+                    return None
+                self._cond.wait()
+
+    def yielded(self, n: int) -> None:
+        with self._cond:
+            self._pending.popleft()
+            self._in_flight -= n
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            pending, self._pending = list(self._pending), deque()
+            self._cond.notify_all()
         if pending:
-            processor.withdraw(pending)
-
-
-def _take(source: Iterator, n: int) -> tuple[list, Exception | None]:
-    """Up to `n` next items of `source`, and the error it raised after them, if it did."""
-    part: list = []
-    try:
-        part.extend(islice(source, n))
-    except Exception as e:  # noqa: BLE001  (handed back: raised once the items before it are yielded)
-        return part, e
-    return part, None
+            self._processor.withdraw(pending)
 
 
 async def aimap(processor, items: Iterable | AsyncIterable, max_in_flight: int, priority: int) -> AsyncIterator:
+    """`imap` for asyncio, its items taken by a task of their own (as `_Feed`'s thread takes them)."""
     max_in_flight, chunk = in_flight_limit(processor, max_in_flight)
     loop = asyncio.get_running_loop()
     take = _async_taker(items)
     pending: deque = deque()  # (group, start, stop), oldest first
-    in_flight = 0
-    exhausted = False
-    failed: Exception | None = None  # the iterable's own error, raised after what it gave before
+    part: list = []  # taken and not queued yet
+    state = {"in_flight": 0, "ended": False, "failed": None}  # taken and not yet yielded; the iterable's error
+    changed, room, queuing = asyncio.Event(), asyncio.Event(), asyncio.Lock()
+
+    async def queue_part() -> None:  # under `queuing`: the groups stay in input order
+        if part:
+            taken = part[:]
+            del part[:]
+            pending.append(await _submit(processor, taken, loop, priority))
+
+    async def feed() -> None:
+        reserved = False
+        try:
+            while True:
+                while state["in_flight"] >= max_in_flight:
+                    room.clear()
+                    await room.wait()
+                state["in_flight"] += 1
+                reserved = True
+                got, item, state["failed"] = await take()
+                if not got:
+                    return
+                part.append(item)
+                reserved = False
+                if len(part) >= chunk:
+                    async with queuing:
+                        await queue_part()
+                changed.set()
+        finally:
+            state["ended"] = True
+            state["in_flight"] -= reserved
+            changed.set()
+
+    feeder = asyncio.ensure_future(feed())
     try:
         while True:
-            while not exhausted and in_flight < max_in_flight:
-                part, failed = await take(min(chunk, max_in_flight - in_flight))
-                if part:
-                    pending.append(await _submit(processor, part, loop, priority))
-                    in_flight += len(part)
-                if not part or failed is not None:
-                    exhausted = True
-                    break
+            async with queuing:
+                await queue_part()
             if not pending:
-                if failed is not None:
-                    raise failed
-                return
+                if state["ended"] and not part:
+                    if state["failed"] is not None:
+                        raise state["failed"]
+                    return
+                changed.clear()
+                if not part and not state["ended"]:
+                    await changed.wait()
+                continue
             group, start, stop = pending[0]
             waiter = Waiter(group, start, stop)
             try:
@@ -103,11 +199,13 @@ async def aimap(processor, items: Iterable | AsyncIterable, max_in_flight: int, 
                 if waiter.is_cancelled or not group.resolved:  # this task was cancelled: not an item's error
                     raise
             pending.popleft()
-            in_flight -= stop - start
+            state["in_flight"] -= stop - start
+            room.set()
             for r in group.results[start:stop]:
                 yield value(r)
     finally:  # left early: what is still queued would run for nobody (a group is this loop
         # turn's: other callers' items may share it, so only a group of this stream's own goes)
+        feeder.cancel()
         own = [group for group, start, stop in pending if start == 0 and stop == len(group.results)]
         if own:
             processor.withdraw(own)
@@ -124,24 +222,26 @@ async def _submit(processor, part: list, loop: asyncio.AbstractEventLoop, priori
 
 
 def _async_taker(items: Iterable | AsyncIterable):
-    """`take(n)`: up to n next items, from a plain or an async iterable, and the error it raised
-    after them, if it did (as `_take`)."""
+    """`take()`: (True, the next item, None), or (False, None, the error the iterable raised, or
+    None where it ended), from a plain or an async iterable."""
     if hasattr(items, "__aiter__"):
         source = items.__aiter__()
 
-        async def take(n: int) -> tuple[list[Any], Exception | None]:
-            part: list[Any] = []
-            for _ in range(n):
-                try:
-                    part.append(await source.__anext__())
-                except StopAsyncIteration:
-                    break
-                except Exception as e:  # noqa: BLE001  (raised once the items before it are yielded)
-                    return part, e
-            return part, None
+        async def take() -> tuple[bool, Any, Exception | None]:
+            try:
+                return True, await source.__anext__(), None
+            except StopAsyncIteration:
+                return False, None, None
+            except Exception as e:  # noqa: BLE001  (raised once the items before it are yielded)
+                return False, None, e
     else:
         plain = iter(items)
 
-        async def take(n: int) -> tuple[list[Any], Exception | None]:
-            return _take(plain, n)
+        async def take() -> tuple[bool, Any, Exception | None]:
+            try:
+                return True, next(plain), None
+            except StopIteration:
+                return False, None, None
+            except Exception as e:  # noqa: BLE001
+                return False, None, e
     return take

@@ -238,3 +238,56 @@ def test_max_in_flight_is_checked():
     f = bp.dynamically()(lambda items: items)
     with pytest.raises(ValueError, match="max_in_flight must be an int >= 1"):
         next(f.imap([1], max_in_flight=0))
+
+
+def test_an_iterable_that_waits_for_a_result_gets_it_and_a_slow_one_holds_back_none():
+    """The items were taken on the consumer's thread, in chunks: an item's result waited until
+    the next items came. An iterable fed by the results (a crawler) waited for ever, and a slow
+    one held back every result already done until its next item."""
+    f = bp.dynamically(batch_size=8, timeout_ms=2)(lambda items: [x * 2 for x in items])
+    seen = threading.Event()
+
+    def fed_by_its_results():
+        yield 1
+        yield 2 if seen.wait(LIMIT_S / 2) else "the result of 1 never came"
+
+    def consume():
+        out = []
+        for r in f.imap(fed_by_its_results()):
+            out.append(r)
+            seen.set()
+        return out
+
+    assert outcome(consume) == [2, 4]
+    late = threading.Event()
+
+    def slow():
+        yield 1
+        late.wait(LIMIT_S)  # until the first result is in
+        yield 3
+
+    def consume_slow():
+        out = []
+        for r in f.imap(slow()):
+            out.append(r)
+            late.set()
+        return out
+
+    assert outcome(consume_slow) == [2, 6]
+
+    async def fed_async(event):
+        yield 1
+        try:
+            await asyncio.wait_for(event.wait(), LIMIT_S / 2)
+            yield 2
+        except asyncio.TimeoutError:
+            yield "the result of 1 never came"
+
+    async def consume_async():
+        event, out = asyncio.Event(), []
+        async for r in f.aimap(fed_async(event)):
+            out.append(r)
+            event.set()
+        return out
+
+    assert asyncio.run(asyncio.wait_for(consume_async(), LIMIT_S)) == [2, 4]
