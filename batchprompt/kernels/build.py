@@ -46,14 +46,17 @@ def kernels_enabled() -> bool:
 
 
 def extension_name(sources: bytes, cflags: Sequence[str], compiler: str, cpu: str,
-                   torch_version: str = torch.__version__) -> str:
+                   torch_version: str = torch.__version__, torch_dir: str = os.path.dirname(torch.__file__)) -> str:
     """The build's name in PyTorch's extension cache, which is keyed by name alone. It holds
     everything that decides the library's machine code: the sources, the flags, the compiler
     and the CPU that `-march=native` compiled for. A home directory shared by machines with
     different CPUs then keeps one build per CPU instead of loading another CPU's build, which
-    dies with an illegal instruction (SIGILL) on the first kernel call."""
+    dies with an illegal instruction (SIGILL) on the first kernel call. And the PyTorch install
+    it builds against: two virtual environments with the same version wrote their own include
+    paths into one build folder, so each rebuilt it (minutes, silent) after the other had."""
     h = hashlib.sha256()
-    for part in (sources, "\0".join(cflags).encode(), compiler.encode(), cpu.encode(), torch_version.encode()):
+    for part in (sources, "\0".join(cflags).encode(), compiler.encode(), cpu.encode(), torch_version.encode(),
+                 torch_dir.encode()):
         h.update(hashlib.sha256(part).digest())
     return f"{_NAME}_{h.hexdigest()[:16]}"
 
@@ -119,7 +122,13 @@ def _one_builder(name: str):
         yield
         return
     with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)  # another process's build: wait for it (it ends or dies)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another process's build: wait for it (it ends or dies), and say so
+            log.warning("waiting for another process's build of the CPU kernels (in %s)", folder)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        if not any(folder.glob(f"{name}*.so")):
+            log.warning("compiling the CPU kernels for this machine and PyTorch install (once; a minute or two)")
         try:
             stale = folder / "lock"
             if stale.exists():

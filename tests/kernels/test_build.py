@@ -40,6 +40,8 @@ def test_cache_key_follows_the_cpu_the_flags_and_the_compiler():
         build.extension_name(b"src", CFLAGS, "c++: c++ (Debian 13.1.0) 13.1.0", cpu()),
         build.extension_name(b"src2", CFLAGS, GCC, cpu()),
         build.extension_name(b"src", CFLAGS, GCC, cpu(), torch_version="0.0.1"),
+        # another virtual environment's PyTorch of the same version: each rebuilt after the other
+        build.extension_name(b"src", CFLAGS, GCC, cpu(), torch_dir="/elsewhere/.venv/lib/site-packages/torch"),
     ]
     assert len({key, *others}) == len(others) + 1
 
