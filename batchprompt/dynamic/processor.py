@@ -307,11 +307,17 @@ class BatchProcessor(RunQueue, Worker):
         return self._stats.snapshot(self._size, self.batch_size, self._sizer.ooms)
 
 
+#: The most workers a batcher runs: each is a thread.
+MAX_WORKERS = 1024
+
+
 def _worker_slots(workers: int | None, replicas) -> list[WorkerSlot]:
     """One slot per worker, with its replica: from the list, made by the factory when the worker
     starts (NEW_REPLICA), or none."""
-    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
-        raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)
+                                or not 1 <= workers <= MAX_WORKERS):
+        # 1,000,000 started threads until the process could start no more (any thread, anywhere)
+        raise ValueError(f"workers must be an int from 1 to {MAX_WORKERS} (each worker is a thread), got {workers!r}")
     if replicas is None:
         return [WorkerSlot(i) for i in range(workers or 1)]
     if isinstance(replicas, (list, tuple)):
