@@ -85,6 +85,8 @@ class EngineService(StopCounts):
         self._callbacks = CallbackThread(f"batchprompt-callbacks-{name}")
         self._dispatcher = self._callbacks.thread
         self._built: Future = Future()
+        if build is None:  # an engine built by hand: nothing to load
+            self._built.set_result(None)
         self._thread = threading.Thread(target=self._loop, args=(build,), name=f"batchprompt-engine-{name}",
                                         daemon=True)
         _alive.add(self)
@@ -116,6 +118,11 @@ class EngineService(StopCounts):
                 self._cond.notify()
             self._callbacks.close()
             raise
+
+    @property
+    def loading(self) -> bool:
+        """Its engine thread is still building the engine (a Ctrl-C left the load running)."""
+        return not self._built.done() and self._thread.is_alive()
 
     @property
     def engine(self) -> LLMEngine:
@@ -583,9 +590,12 @@ def _stop_at_exit() -> None:
     deadline = time.monotonic() + EXIT_WAIT_S
     services = list(_alive)
     running = [s for s in services if not s.stopped]  # those stopped before (bp.shutdown()) said so then
+    loading = [s for s in services if getattr(s, "loading", False)]
+    if loading:  # a load ends, however long it takes: the exit waits for it (the process aborted after 10 s)
+        log.warning("the model is still loading: the exit waits for the load to end (Ctrl-C again to end at once)")
     for service in services:
         try:
-            service.shutdown(max(deadline - time.monotonic(), 0), at_exit=True)
+            service.shutdown(None if service in loading else max(deadline - time.monotonic(), 0), at_exit=True)
         except KeyboardInterrupt:
             # A second Ctrl-C while an engine leaves its step: the user wants out now. _exit
             # skips what the wait was for (the C++ globals' destructors), as it does this

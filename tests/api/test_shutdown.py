@@ -17,7 +17,7 @@ import batchprompt as bp
 import batchprompt.api.service as service_module
 from batchprompt.api.service import get_service
 
-from ..conftest import SPAM_SYSTEM
+from ..conftest import SPAM_SYSTEM, sigint_default
 
 pytestmark = pytest.mark.slow
 
@@ -206,6 +206,27 @@ def test_an_engine_built_again_after_a_shutdown_adds_no_memory():
     assert p.returncode == 0, p.stderr[-3000:]
     first, _, third = map(int, p.stdout.split()[-3:])
     assert third - first < 300, p.stdout  # MB
+
+
+def test_a_ctrl_c_while_the_model_loads_lets_the_load_end_before_the_exit():
+    """The exit waited 10 s for the engine thread, then went on while the load ran PyTorch's C++:
+    on a busy machine the process aborted ("terminate called without an active exception")."""
+    import subprocess
+
+    script = ("import os, signal, threading\n"
+              "import batchprompt as bp\n"
+              "import batchprompt.api.service as service\n"
+              "service.EXIT_WAIT_S = 0.1  # the load surely outlasts it\n"
+              "threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+              "try:\n"
+              "    bp.LanguageModel.create()\n"
+              "except KeyboardInterrupt:\n"
+              "    print('interrupted while loading', flush=True)\n")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                       preexec_fn=sigint_default)
+    assert p.returncode == 0 and "interrupted while loading" in p.stdout, (p.returncode, p.stdout, p.stderr[-3000:])
+    assert "the model is still loading: the exit waits for the load to end" in p.stderr, p.stderr[-3000:]
+    assert "terminate called" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
 
 
 def test_a_ctrl_c_in_batch_prompt_then_the_end_of_the_script_is_no_forgotten_wait():
