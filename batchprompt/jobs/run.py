@@ -152,6 +152,10 @@ def _takes_system(row: Row) -> bool:
     return row.url == CHAT and not (row.messages and row.messages[0].get("role") == "system")
 
 
+#: The journal's record of the sha256 of each output file the job wrote (JSON: path -> hash).
+OUTPUT_HASHES = "output_sha256"
+
+
 def _n_rows(n: int) -> str:
     return f"{n} row" if n == 1 else f"{n} rows"
 
@@ -684,7 +688,13 @@ class JobRun:
         wanted = [(Path(self.opts.output), ok)] + ([(Path(errors_path), answered - ok)] if errors_path else [])
         if not all(path.is_file() for path, _ in wanted):
             return False
-        return self.opts.format == "table" or all(_lines_in(path) == count for path, count in wanted)
+        if self.opts.format == "table":
+            return True
+        written = journal.get(OUTPUT_HASHES)  # what this job wrote: a line changed in place (a row twice,
+        if written is not None:  # another gone, the count the same) was reported "already complete"
+            hashes = json.loads(written)
+            return all(hashes.get(str(path)) == _sha256_of(path) for path, _ in wanted)
+        return all(_lines_in(path) == count for path, count in wanted)  # a journal of an earlier version
 
     def _ready(self, row: Row, service: Backend, job: str = "") -> Ready | dict[str, Any]:
         """The row ready to run, or its error line: what the endpoint refuses of the same body (a
@@ -877,17 +887,20 @@ class JobRun:
         return interrupted_by
 
     def _write_outputs(self, table: Table, journal: Journal, errors_path: str | None) -> None:
+        hashes: dict[str, str | None] = {}
         if self.opts.format == "table":
             self._write_table(table, journal)
         else:
-            _write_lines(self.opts.output, (rec for _, ok, rec in journal.records() if ok))
+            hashes[self.opts.output] = _write_lines(self.opts.output, (rec for _, ok, rec in journal.records() if ok))
         err_lines = (rec for _, rec in sorted([(line, rec) for line, ok, rec in journal.records() if not ok]
                                               + list(self._not_run.items())))
         if errors_path:
-            _write_lines(errors_path, err_lines)
+            hashes[errors_path] = _write_lines(errors_path, err_lines)
         else:  # stdout output: errors go to stderr
             for rec in err_lines:
                 print(rec, file=sys.stderr)
+        if self.opts.format != "table" and not _streamed(self.opts.output):
+            journal.set(OUTPUT_HASHES, json.dumps({str(Path(p)): h for p, h in hashes.items()}))
 
     def _write_table(self, table: Table, journal: Journal) -> None:  # its columns: TABLE_COLUMNS
         import pyarrow as pa
@@ -987,19 +1000,32 @@ def _answer(line: dict) -> tuple[str, str]:
     return text, choice["finish_reason"]
 
 
-def _write_lines(path: str, records) -> None:
-    """Write JSON lines atomically (see storage.write_atomic), or to stdout for '-'."""
+def _write_lines(path: str, records) -> str | None:
+    """Write JSON lines atomically (see storage.write_atomic), or to stdout for '-'; the sha256
+    of what a file holds."""
     if path == "-":
         out = _stdout()
         for rec in records:
             out.write(rec + "\n")
         out.flush()
-        return
+        return None
+    h = hashlib.sha256()
 
     def fill(f) -> None:
         for rec in records:
-            f.write(rec.encode("utf-8") + b"\n")
+            data = rec.encode("utf-8") + b"\n"
+            h.update(data)
+            f.write(data)
     write_atomic(path, fill)
+    return h.hexdigest()
+
+
+def _sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _holds_nothing(journal: Journal) -> bool:

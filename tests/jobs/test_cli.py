@@ -394,6 +394,13 @@ def test_mixed_file_gives_openai_bodies_and_an_errors_file(tmp_path):
     s3 = run_job(JobOptions(str(inp), str(out), system=SPAM_SYSTEM, max_tokens=4, progress=False))
     assert not s3.already_complete and (s3.ok, s3.failed, s3.run_rows) == (5, 2, 0)
     assert out.read_text() == written
+    # ... and one with as many lines, a row twice and another gone (it said "already complete")
+    lines_written = written.splitlines(keepends=True)
+    out.write_text("".join(lines_written[:1] + lines_written[:1] + lines_written[2:]))
+    s4 = run_job(JobOptions(str(inp), str(out), system=SPAM_SYSTEM, max_tokens=4, progress=False))
+    assert not s4.already_complete and s4.run_rows == 0 and out.read_text() == written
+    s5 = run_job(JobOptions(str(inp), str(out), system=SPAM_SYSTEM, max_tokens=4, progress=False))
+    assert s5.already_complete
     # a changed input is refused, unless --restart
     inp.write_text("\n".join(lines[:3]) + "\n")
     assert main(["run", str(inp), "-o", str(out), "--system", SPAM_SYSTEM, "--max-tokens", "4"]) == 2
