@@ -113,14 +113,19 @@ class DynamicFunction:
         return await p.await_group(group, start, stop, None if deadline is None else deadline - time.monotonic(),
                                    timeout)
 
-    def imap(self, items: Iterable, *, max_in_flight: int = 1024, priority: int = 0) -> Iterator:
+    def imap(self, items: Iterable, *, max_in_flight: int = 1024, priority: int = 0,
+             own_thread: bool = False) -> Iterator:
         """Results for `items` in input order, while later items are still queued; at most
         `max_in_flight` items are taken from `items` and not yet yielded. An item's error is
-        raised at its turn and ends the iteration."""
+        raised at its turn and ends the iteration. `own_thread=True`: the items are taken on a
+        thread of their own, so each result comes as soon as it is done, and `items` may wait
+        for earlier results (it must then not be bound to this thread, as a sqlite3 cursor is)."""
         _check_priority(priority)
+        if not isinstance(own_thread, bool):
+            raise TypeError(f"own_thread must be True or False, got {own_thread!r}")
         p = self.processor
         self._not_inside(p)
-        results = stream.imap(p, items, max_in_flight, priority)
+        results = stream.imap(p, items, max_in_flight, priority, own_thread)
         return results if getattr(serving, "processor", None) is None else self._waiting_through(p, results)
 
     def aimap(self, items: Iterable | AsyncIterable, *, max_in_flight: int = 1024,

@@ -13,6 +13,7 @@ import asyncio
 import contextvars
 import threading
 from collections import deque
+from itertools import islice
 from typing import Any, AsyncIterable, AsyncIterator, Iterable, Iterator
 
 from .errors import QueueFull
@@ -31,8 +32,54 @@ def in_flight_limit(processor, max_in_flight: int) -> tuple[int, int]:
     return max_in_flight, max(1, min(processor.max_batch_size, max_in_flight // 4))
 
 
-def imap(processor, items: Iterable, max_in_flight: int, priority: int) -> Iterator:
+def imap(processor, items: Iterable, max_in_flight: int, priority: int, own_thread: bool = False) -> Iterator:
+    """`own_thread`: the items are taken on a thread of their own (`_Feed`), not the consumer's."""
     max_in_flight, chunk = in_flight_limit(processor, max_in_flight)
+    if own_thread:
+        yield from _fed(processor, items, max_in_flight, chunk, priority)
+        return
+    source = iter(items)
+    pending: deque = deque()  # groups, oldest first
+    in_flight = 0  # items taken from `source` and not yet yielded
+    exhausted = False
+    failed: Exception | None = None  # the iterable's own error, raised after what it gave before
+    try:
+        while True:
+            while not exhausted and in_flight < max_in_flight:
+                part, failed = _take(source, min(chunk, max_in_flight - in_flight))
+                if part:
+                    pending.append(processor.submit(part, priority, solo=True))  # waited on oldest first
+                    in_flight += len(part)
+                if not part or failed is not None:
+                    exhausted = True
+                    break
+            if not pending:
+                if failed is not None:
+                    raise failed
+                return
+            group = pending[0]
+            group.wait()
+            pending.popleft()
+            results = group.results
+            in_flight -= len(results)
+            for r in results:
+                yield value(r)
+    finally:  # left early (an error, Ctrl-C, a break): what is still queued would run for nobody
+        if pending:
+            processor.withdraw(pending)
+
+
+def _take(source: Iterator, n: int) -> tuple[list, Exception | None]:
+    """Up to `n` next items of `source`, and the error it raised after them, if it did."""
+    part: list = []
+    try:
+        part.extend(islice(source, n))
+    except Exception as e:  # noqa: BLE001  (handed back: raised once the items before it are yielded)
+        return part, e
+    return part, None
+
+
+def _fed(processor, items: Iterable, max_in_flight: int, chunk: int, priority: int) -> Iterator:
     feed = _Feed(processor, iter(items), max_in_flight, chunk, priority)
     try:
         while True:
@@ -51,11 +98,13 @@ def imap(processor, items: Iterable, max_in_flight: int, priority: int) -> Itera
 
 
 class _Feed:
-    """Takes the items from the iterable on a thread of its own, as multiprocessing's imap does:
-    taken on the consumer's thread, an item's result waited until the next items came, so an
-    iterable that waits for a result (a crawler fed by what it finds) waited for ever, and a slow
-    one held back every result already done. The items taken are queued in chunks of up to
-    `chunk`; whatever has been taken is queued whenever the consumer would otherwise wait."""
+    """Takes the items from the iterable on a thread of its own, as multiprocessing's imap does
+    (imap's `own_thread=True`). Taken on the consumer's thread, an item's result waits until the
+    next items came: an iterable that waits for a result (a crawler fed by what it finds) waits
+    for ever, and a slow one holds back every result already done. On a thread of its own, the
+    iterable must not be bound to the consumer's (a sqlite3 cursor is). The items taken are
+    queued in chunks of up to `chunk`; whatever has been taken is queued whenever the consumer
+    would otherwise wait."""
 
     def __init__(self, processor, source: Iterator, max_in_flight: int, chunk: int, priority: int):
         self._processor, self._source, self._priority = processor, source, priority
