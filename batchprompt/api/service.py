@@ -24,6 +24,7 @@ import gc
 import itertools
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -592,7 +593,9 @@ def _stop_at_exit() -> None:
     running = [s for s in services if not s.stopped]  # those stopped before (bp.shutdown()) said so then
     loading = [s for s in services if getattr(s, "loading", False)]
     if loading:  # a load ends, however long it takes: the exit waits for it (the process aborted after 10 s)
-        log.warning("the model is still loading: the exit waits for the load to end (Ctrl-C again to end at once)")
+        # A second Ctrl-C ends it at once where Ctrl-C raises (`batchprompt run` ignores a second one).
+        again = " (Ctrl-C again to end at once)" if signal.getsignal(signal.SIGINT) is signal.default_int_handler else ""
+        log.warning("the model is still loading: the exit waits for the load to end%s", again)
     for service in services:
         try:
             service.shutdown(None if service in loading else max(deadline - time.monotonic(), 0), at_exit=True)

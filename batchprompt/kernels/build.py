@@ -18,6 +18,7 @@ import platform
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -28,6 +29,7 @@ log = logging.getLogger("batchprompt")
 _SOURCES = [Path(__file__).with_name(n) for n in ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp")]
 _HEADERS = [Path(__file__).with_name("vec.h")]
 _NAME = "batchprompt_kernels"
+LOCK_SAID_AFTER_S = 3.0  # a wait for the build lock this long is said (a build, not the quick check)
 # -fno-trapping-math: no kernel reads floating-point exception flags, and without it GCC keeps
 # the branches of a clamp, which stops loops from vectorizing (exp_poly in vec.h).
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math")
@@ -105,6 +107,23 @@ def _build():
                     verbose=os.environ.get("BATCHPROMPT_KERNELS_VERBOSE") == "1")
 
 
+def _take_turn(handle, folder: Path) -> None:
+    """The lock: another process's build is waited for (it ends or dies), said once the wait
+    lasts (every start holds it a moment, for the check that finds the build up to date)."""
+    import fcntl
+
+    start, said = time.monotonic(), False
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if not said and time.monotonic() - start > LOCK_SAID_AFTER_S:
+                log.warning("waiting for another process's build of the CPU kernels (in %s)", folder)
+                said = True
+            time.sleep(0.05)
+
+
 @contextlib.contextmanager
 def _one_builder(name: str):
     """PyTorch's builder marks a build in progress with a `lock` file in the build folder (also
@@ -122,11 +141,7 @@ def _one_builder(name: str):
         yield
         return
     with handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # another process's build: wait for it (it ends or dies), and say so
-            log.warning("waiting for another process's build of the CPU kernels (in %s)", folder)
-            fcntl.flock(handle, fcntl.LOCK_EX)
+        _take_turn(handle, folder)
         if not any(folder.glob(f"{name}*.so")):
             log.warning("compiling the CPU kernels for this machine and PyTorch install (once; a minute or two)")
         try:

@@ -127,3 +127,25 @@ def test_a_lock_left_by_a_killed_build_does_not_stop_the_next_start(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], env=env, timeout=180, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert not (ours / name / "lock").exists()
+
+
+def test_a_wait_for_the_build_lock_is_said_only_once_it_lasts(tmp_path, monkeypatch, caplog):
+    """Every start holds the lock a moment (the check that finds the build up to date): starts
+    that overlapped said "waiting for another process's build" where nothing was being built."""
+    import fcntl
+    import threading
+
+    monkeypatch.setattr(build, "LOCK_SAID_AFTER_S", 0.3)
+    lock = tmp_path / "batchprompt.flock"
+    with caplog.at_level("WARNING", logger="batchprompt"):
+        with open(lock, "a+") as mine, open(lock, "a+") as theirs:
+            fcntl.flock(theirs, fcntl.LOCK_EX)
+            threading.Timer(0.1, fcntl.flock, (theirs, fcntl.LOCK_UN)).start()  # a quick check's hold
+            build._take_turn(mine, tmp_path)
+            fcntl.flock(mine, fcntl.LOCK_UN)
+        assert not [m for m in caplog.messages if "waiting for another process" in m], caplog.messages
+        with open(lock, "a+") as mine, open(lock, "a+") as theirs:
+            fcntl.flock(theirs, fcntl.LOCK_EX)
+            threading.Timer(1.0, fcntl.flock, (theirs, fcntl.LOCK_UN)).start()  # a build's
+            build._take_turn(mine, tmp_path)
+    assert sum("waiting for another process's build of the CPU kernels" in m for m in caplog.messages) == 1
