@@ -679,22 +679,24 @@ class JobRun:
                              f"beside a prompt: shorten it (or raise --max-model-len, where the model allows)")
 
     def _outputs_match(self, journal: Journal, errors_path: str | None) -> bool:
-        """The output (and errors) file are there, with a line per row the journal has for each
-        (JSONL): one deleted, emptied or overwritten since is written again from the journal (an
-        output overwritten with other text was reported "already complete")."""
+        """The output (and errors) file are there, as this job wrote them (their sha256, kept in
+        the journal): one deleted, emptied or changed since is written again from the journal (an
+        output overwritten with other text, or a row twice and another gone, or a table emptied,
+        was reported "already complete"). A journal of an earlier version has no hashes: a line
+        per row it holds (JSONL) is taken as the output written."""
         if _streamed(self.opts.output):
             return True
         ok, answered = journal.counts()
         wanted = [(Path(self.opts.output), ok)] + ([(Path(errors_path), answered - ok)] if errors_path else [])
         if not all(path.is_file() for path, _ in wanted):
             return False
-        if self.opts.format == "table":
-            return True
         written = journal.get(OUTPUT_HASHES)  # what this job wrote: a line changed in place (a row twice,
         if written is not None:  # another gone, the count the same) was reported "already complete"
             hashes = json.loads(written)
             return all(hashes.get(str(path)) == _sha256_of(path) for path, _ in wanted)
-        return all(_lines_in(path) == count for path, count in wanted)  # a journal of an earlier version
+        if self.opts.format == "table":  # a journal of an earlier version
+            return True
+        return all(_lines_in(path) == count for path, count in wanted)
 
     def _ready(self, row: Row, service: Backend, job: str = "") -> Ready | dict[str, Any]:
         """The row ready to run, or its error line: what the endpoint refuses of the same body (a
@@ -890,6 +892,8 @@ class JobRun:
         hashes: dict[str, str | None] = {}
         if self.opts.format == "table":
             self._write_table(table, journal)
+            if not _streamed(self.opts.output):  # a table emptied or edited in place was "already complete"
+                hashes[self.opts.output] = _sha256_of(Path(self.opts.output))
         else:
             hashes[self.opts.output] = _write_lines(self.opts.output, (rec for _, ok, rec in journal.records() if ok))
         err_lines = (rec for _, rec in sorted([(line, rec) for line, ok, rec in journal.records() if not ok]
@@ -899,7 +903,7 @@ class JobRun:
         else:  # stdout output: errors go to stderr
             for rec in err_lines:
                 print(rec, file=sys.stderr)
-        if self.opts.format != "table" and not _streamed(self.opts.output):
+        if not _streamed(self.opts.output):
             journal.set(OUTPUT_HASHES, json.dumps({str(Path(p)): h for p, h in hashes.items()}))
 
     def _write_table(self, table: Table, journal: Journal) -> None:  # its columns: TABLE_COLUMNS

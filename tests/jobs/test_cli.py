@@ -450,6 +450,12 @@ def test_csv_and_parquet_tables(tmp_path):
     args = ["--column", "text", "--format", "table", "--max-tokens", "2", "--no-progress"]
     assert main(["run", str(tmp_path / "in.parquet"), "-o", str(tmp_path / "t.csv"), *args]) == 0
     assert (tmp_path / "t.csv").read_text().splitlines()[0] == '"label","text","result","finish_reason","error"'
+    # A finished table emptied or cut since is written again (it was "already complete")
+    written = (tmp_path / "t.csv").read_text()
+    for edited in ("", "\n".join(written.splitlines()[:3]) + "\n"):
+        (tmp_path / "t.csv").write_text(edited)
+        assert main(["run", str(tmp_path / "in.parquet"), "-o", str(tmp_path / "t.csv"), *args]) == 0
+        assert (tmp_path / "t.csv").read_text() == written
     assert main(["run", str(csv_in), "-o", str(tmp_path / "t.parquet"), *args]) == 1  # its empty row fails
     assert pq.read_table(tmp_path / "t.parquet").column_names == ["id", "text", "result", "finish_reason", "error"]
     assert pq.read_table(tmp_path / "t.parquet").column("id").to_pylist() == ["007", "1.50"]  # were 7 and 1.5
