@@ -776,6 +776,7 @@ class JobRun:
             return JobSummary(rows=len(table.rows), failed=len(table.rows) - len(done), notes=table.notes(),
                               resumed=len(done), resumed_failed=done_failed, estimate_seconds=0.0)
         service = self._load_backend()
+        self._note_greedy_samples(rows)  # where a job is checked before it runs
         ready = [r for r in (self._ready(row, service) for row in rows) if isinstance(r, Ready)]
         summary = JobSummary(rows=len(table.rows), failed=len(table.rows) - len(done) - len(ready),
                              notes=table.notes(), prompt_tokens=sum(len(r.ids) for r in ready), resumed=len(done),

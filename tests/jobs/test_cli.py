@@ -476,6 +476,14 @@ def test_dry_run_counts_and_estimates_without_running(tmp_path, capsys):
     assert "calibration: 4 rows in" in err  # a tenth of them, at least 4 (it ran all 40: the whole job)
 
 
+def test_a_dry_run_names_rows_whose_n_choices_greedy_makes_one_text(tmp_path, capsys):
+    """Where a job is checked before it runs: only the run itself said it."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(chat_line(0, "Name a colour.", max_tokens=2, n=2) + "\n")
+    assert main(["run", str(inp), "-o", str(tmp_path / "o.jsonl"), "--dry-run", "--no-progress"]) == 0
+    assert "note: 1 row (line 1) asks for n > 1 choices with no temperature" in capsys.readouterr().err
+
+
 def test_a_dry_run_whose_calibration_rows_all_fail_gives_no_estimate(tmp_path, capsys):
     """Every calibration row failed (an endpoint answering 500, retried with backoff), and the dry
     run gave their retries' time as the estimate, with nothing said of the failures. It exits 1,
