@@ -50,8 +50,11 @@ except KeyboardInterrupt:
 def interrupt_a_batch(session: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
     """Ctrl-C inside `batch_prompt`, then the script ends: the batch was cancelled by the Ctrl-C,
     so the exit must not speak of prompts left unfinished for want of a wait()."""
+    from tests.conftest import sigint_default  # SIGINT is ignored in a background job's children (make test &)
+
     p = subprocess.run([sys.executable, "-c", INTERRUPTED.format(session=session), *args], capture_output=True,
-                       text=True, timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                       text=True, timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                       preexec_fn=sigint_default)
     assert p.returncode == 0 and "interrupted" in p.stdout, (p.returncode, p.stdout, p.stderr[-3000:])
     assert "unfinished" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
     return p
