@@ -594,7 +594,8 @@ def _stop_at_exit() -> None:
     loading = [s for s in services if getattr(s, "loading", False)]
     if loading:  # a load ends, however long it takes: the exit waits for it (the process aborted after 10 s)
         # A second Ctrl-C ends it at once where Ctrl-C raises (`batchprompt run` ignores a second one).
-        again = " (Ctrl-C again to end at once)" if signal.getsignal(signal.SIGINT) is signal.default_int_handler else ""
+        raises = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        again = " (Ctrl-C again to end at once)" if raises else ""
         log.warning("the model is still loading: the exit waits for the load to end%s", again)
     for service in services:
         try:
