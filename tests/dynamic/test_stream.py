@@ -264,14 +264,14 @@ def test_an_iterable_that_waits_for_a_result_gets_it_and_a_slow_one_holds_back_n
         yield 1
         yield 2 if seen.wait(LIMIT_S / 2) else "the result of 1 never came"
 
-    def consume():
+    def collect(items, got_one: threading.Event) -> list:
         out = []
-        for r in f.imap(fed_by_its_results(), own_thread=True):
+        for r in f.imap(items, own_thread=True):
             out.append(r)
-            seen.set()
+            got_one.set()
         return out
 
-    assert outcome(consume) == [2, 4]
+    assert outcome(lambda: collect(fed_by_its_results(), seen)) == [2, 4]
     late = threading.Event()
 
     def slow():
@@ -279,14 +279,7 @@ def test_an_iterable_that_waits_for_a_result_gets_it_and_a_slow_one_holds_back_n
         late.wait(LIMIT_S)  # until the first result is in
         yield 3
 
-    def consume_slow():
-        out = []
-        for r in f.imap(slow(), own_thread=True):
-            out.append(r)
-            late.set()
-        return out
-
-    assert outcome(consume_slow) == [2, 6]
+    assert outcome(lambda: collect(slow(), late)) == [2, 6]
 
     async def fed_async(event):
         yield 1
