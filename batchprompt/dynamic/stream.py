@@ -194,7 +194,9 @@ async def aimap(processor, items: Iterable | AsyncIterable, max_in_flight: int, 
     take = _async_taker(items)
     pending: deque = deque()  # (group, start, stop), oldest first
     part: list = []  # taken and not queued yet
-    state = {"in_flight": 0, "ended": False, "failed": None}  # taken and not yet yielded; the iterable's error
+    in_flight = 0  # taken and not yet yielded
+    ended = False
+    failed: Exception | None = None  # the iterable's own error, raised after what it gave before
     changed, room, queuing = asyncio.Event(), asyncio.Event(), asyncio.Lock()
 
     async def queue_part() -> None:  # under `queuing`: the groups stay in input order
@@ -204,15 +206,16 @@ async def aimap(processor, items: Iterable | AsyncIterable, max_in_flight: int, 
             pending.append(await _submit(processor, taken, loop, priority))
 
     async def feed() -> None:
+        nonlocal in_flight, ended, failed
         reserved = False
         try:
             while True:
-                while state["in_flight"] >= max_in_flight:
+                while in_flight >= max_in_flight:
                     room.clear()
                     await room.wait()
-                state["in_flight"] += 1
+                in_flight += 1
                 reserved = True
-                got, item, state["failed"] = await take()
+                got, item, failed = await take()
                 if not got:
                     return
                 part.append(item)
@@ -222,8 +225,8 @@ async def aimap(processor, items: Iterable | AsyncIterable, max_in_flight: int, 
                         await queue_part()
                 changed.set()
         finally:
-            state["ended"] = True
-            state["in_flight"] -= reserved
+            ended = True
+            in_flight -= reserved
             changed.set()
 
     feeder = asyncio.ensure_future(feed())
@@ -232,12 +235,12 @@ async def aimap(processor, items: Iterable | AsyncIterable, max_in_flight: int, 
             async with queuing:
                 await queue_part()
             if not pending:
-                if state["ended"] and not part:
-                    if state["failed"] is not None:
-                        raise state["failed"]
+                if ended and not part:
+                    if failed is not None:
+                        raise failed
                     return
                 changed.clear()
-                if not part and not state["ended"]:
+                if not part and not ended:
                     await changed.wait()
                 continue
             group, start, stop = pending[0]
@@ -248,7 +251,7 @@ async def aimap(processor, items: Iterable | AsyncIterable, max_in_flight: int, 
                 if waiter.is_cancelled or not group.resolved:  # this task was cancelled: not an item's error
                     raise
             pending.popleft()
-            state["in_flight"] -= stop - start
+            in_flight -= stop - start
             room.set()
             for r in group.results[start:stop]:
                 yield value(r)
