@@ -93,9 +93,8 @@ class SwarmMethods:
     async def _one_chunk(self, backend, e, prompts: list[list[int]], params: SamplingParams) -> list[Response]:
         body = wire.completion_body(backend.model, prompts, params, self.structured)
         last: EndpointError | None = None
-        start, tries = time.monotonic(), 0
-        for attempt in range(self.max_retries + 1):
-            tries += 1
+        start = time.monotonic()
+        for attempt in range(self.max_retries + 1):  # at least once: max_retries >= 0
             tokens = sum(len(p) + params.max_tokens for p in prompts)
             e.begin(tokens)
             try:
@@ -111,7 +110,7 @@ class SwarmMethods:
             e.end(tokens, tokens)
             e.counters.prompts += len(prompts)
             return [Response(True, samples[0].text, None, e.index) for samples in per]
-        return [Response(False, "", _gave_up(last, tries, start), e.index) for _ in prompts]
+        return [Response(False, "", _gave_up(last, attempt + 1, start), e.index) for _ in prompts]
 
     # ---- one request per prompt (aurora's post / send_all / broadcast_prompt) ---------------------
     async def post(self, agent_index: int, prompt: str, max_tokens: int | None = None, **options: Any) -> Response:
@@ -146,9 +145,8 @@ class SwarmMethods:
             body["top_p"] = params.top_p
         last: EndpointError | None = None
         e = None
-        start, tries = time.monotonic(), 0
-        for attempt in range(self.max_retries + 1):
-            tries += 1
+        start = time.monotonic()
+        for attempt in range(self.max_retries + 1):  # at least once: max_retries >= 0
             candidates = fixed or [x for x in backend.endpoints if x.alive] or backend.endpoints
             e = min(candidates, key=lambda x: (x.in_flight / x.weight, x.outstanding_tokens))
             cost = params.max_tokens
@@ -173,7 +171,7 @@ class SwarmMethods:
             e.end(cost, cost)
             e.counters.prompts += 1
             return Response(True, text, None, e.index)
-        return Response(False, "", _gave_up(last, tries, start), None if e is None else e.index)
+        return Response(False, "", _gave_up(last, attempt + 1, start), None if e is None else e.index)
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _params(self, max_tokens: int | None, options: dict) -> SamplingParams:
